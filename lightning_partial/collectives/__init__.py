@@ -1,0 +1,23 @@
+"""The partial-collective engine: pure torch.distributed, no Lightning.
+
+See :class:`PartialAllreduce` for the threads-and-collectives contract.
+"""
+
+from lightning_partial.collectives.config import PartialAllreduceConfig
+from lightning_partial.collectives.engine import PartialAllreduce, RoundResult
+from lightning_partial.collectives.errors import (
+    EngineClosedError,
+    PartialCollectiveError,
+    PartialCollectiveTimeout,
+)
+from lightning_partial.collectives.stats import RoundStats
+
+__all__ = [
+    "EngineClosedError",
+    "PartialAllreduce",
+    "PartialAllreduceConfig",
+    "PartialCollectiveError",
+    "PartialCollectiveTimeout",
+    "RoundResult",
+    "RoundStats",
+]

@@ -1,0 +1,121 @@
+"""Configuration of a partial allreduce (ALGORITHMS.md section 1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal, Optional
+
+Mode = Literal["solo", "majority", "quorum", "sync"]
+LatePolicy = Literal["carry", "drop"]
+Normalize = Literal["world", "contributors", "sum"]
+
+MODES: tuple[str, ...] = ("solo", "majority", "quorum", "sync")
+LATE_POLICIES: tuple[str, ...] = ("carry", "drop")
+NORMALIZATIONS: tuple[str, ...] = ("world", "contributors", "sum")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartialAllreduceConfig:
+    """What a :class:`~lightning_partial.collectives.PartialAllreduce` does each round.
+
+    Args:
+        mode: what activates round ``r``. ``"solo"``: the first rank to arrive.
+            ``"majority"``: the round's initiator, a rank drawn from an RNG seeded
+            with ``seed`` identically on every rank. ``"quorum"``: ``quorum`` ranks
+            have arrived (``quorum = P - b`` is ``b`` backup workers). ``"sync"``:
+            every rank has arrived (a plain allreduce, with the engine's header).
+        quorum: number of arrivals that activate a round in ``"quorum"`` mode, in
+            ``1..P``; checked against the world size when the engine is built.
+        late: what happens to a gradient that arrives after its round was
+            activated. ``"carry"`` (default): it stays in the send buffer and is
+            contributed to the next round this rank takes part in (stale by >= 1),
+            so nothing computed is lost. ``"drop"``: it is discarded and counted
+            in the round statistics (the reference code's behaviour).
+        normalize: ``"world"`` divides the sum by ``P`` (the paper), ``"contributors"``
+            by the number of gradients summed in the round (zero if none),
+            ``"sum"`` returns the plain sum (what ``dist.all_reduce`` returns).
+        sync_every: if set, every ``sync_every``-th round (rounds ``n-1, 2n-1, ...``)
+            is fully synchronous: it activates only once every rank has arrived.
+        max_staleness: if set to ``s``, round ``r`` activates only once every rank
+            has arrived at step ``r - s``. Hence every gradient is applied at most
+            ``s`` rounds after the step that computed it, and no rank arrives more
+            than ``s`` steps ahead of the slowest rank. ``0`` is fully synchronous.
+        seed: seed of the initiator RNG (``"majority"``); must match on all ranks.
+        timeout: bound on every blocking wait (activation, collective, result).
+            A wait that exceeds it raises :class:`PartialCollectiveTimeout` naming
+            the rank and the round. Keep it above the longest pause in arrivals
+            (a validation loop, a checkpoint) of the job.
+        poll_interval: how often a blocked communication thread wakes up to check
+            for ``close()``; bounds the latency of ``close()``, not of activation.
+        name: prefix of the engine's store keys and process group; engines that
+            share a store must have distinct names.
+    """
+
+    mode: Mode = "solo"
+    quorum: Optional[int] = None
+    late: LatePolicy = "carry"
+    normalize: Normalize = "world"
+    sync_every: Optional[int] = None
+    max_staleness: Optional[int] = None
+    seed: int = 0
+    timeout: timedelta = timedelta(minutes=30)
+    poll_interval: timedelta = timedelta(milliseconds=200)
+    name: str = "partial"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}: expected one of {', '.join(MODES)}")
+        if self.mode == "quorum":
+            if self.quorum is None:
+                raise ValueError("mode='quorum' needs quorum=k, the number of arrivals that activate a round")
+            if isinstance(self.quorum, bool) or not isinstance(self.quorum, int) or self.quorum < 1:
+                raise ValueError(f"quorum must be an integer >= 1, got {self.quorum!r}")
+        elif self.quorum is not None:
+            raise ValueError(f"quorum={self.quorum!r} is only meaningful with mode='quorum' (mode={self.mode!r})")
+        if self.late not in LATE_POLICIES:
+            raise ValueError(f"unknown late policy {self.late!r}: expected one of {', '.join(LATE_POLICIES)}")
+        if self.normalize not in NORMALIZATIONS:
+            raise ValueError(f"unknown normalize {self.normalize!r}: expected one of {', '.join(NORMALIZATIONS)}")
+        if self.sync_every is not None and (
+            isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1
+        ):
+            raise ValueError(f"sync_every must be an integer >= 1 or None, got {self.sync_every!r}")
+        if self.max_staleness is not None and (
+            isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0
+        ):
+            raise ValueError(f"max_staleness must be an integer >= 0 or None, got {self.max_staleness!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for field in ("timeout", "poll_interval"):
+            value = getattr(self, field)
+            if not isinstance(value, timedelta) or value.total_seconds() <= 0:
+                raise ValueError(f"{field} must be a positive datetime.timedelta, got {value!r}")
+        if not self.name or "/" in self.name:
+            raise ValueError(f"name must be a non-empty string without '/', got {self.name!r}")
+
+    def validate_world(self, world_size: int) -> None:
+        """Checks what depends on the number of ranks ``P``; raises ``ValueError``."""
+        if world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {world_size}")
+        if self.mode == "quorum" and not 1 <= int(self.quorum or 0) <= world_size:
+            raise ValueError(f"quorum must be in 1..{world_size} (the world size), got {self.quorum}")
+        if self.mode == "majority" and world_size < 2:
+            raise ValueError(
+                "mode='majority' needs at least 2 ranks: with one rank there is no majority to wait for "
+                "(use mode='sync' or 'solo')"
+            )
+
+    def activation_count(self, world_size: int, sync_round: bool) -> Optional[int]:
+        """Arrivals that activate a round, or ``None`` when the initiator does (majority)."""
+        if sync_round or self.mode == "sync":
+            return world_size
+        if self.mode == "solo":
+            return 1
+        if self.mode == "quorum":
+            return int(self.quorum)  # type: ignore[arg-type]
+        return None
+
+    def is_sync_round(self, round_index: int) -> bool:
+        """Whether round ``round_index`` is a periodic fully-synchronous one."""
+        return self.sync_every is not None and (round_index + 1) % self.sync_every == 0

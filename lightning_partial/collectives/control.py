@@ -1,0 +1,130 @@
+"""The control plane: who has arrived, and which rounds are activated.
+
+Activation travels through a c10d store (a ``TCPStore`` in a real job), never
+through a collective: a rank that is still computing must learn that a round
+was activated without posting anything itself. Per round the keys are
+
+``n/<q>``
+    counter of arrivals at step ``q`` (``store.add``); every rank adds once.
+``g/<r>``
+    counter of activation conditions met for round ``r``, used only when
+    ``max_staleness`` adds a second condition (the gate) to the mode's one.
+``go/<r>/<i>``
+    set (one ``multi_set`` for all ``i``) when round ``r`` is activated; rank
+    ``i``'s communication thread blocks in ``store.wait`` on its own key, so
+    that ``close()`` can wake exactly that thread without touching the others.
+
+Keys are deleted once nobody can touch them again (the last adder of ``n/q``
+and ``g/r``, rank ``i`` for ``go/r/i``), so the store stays flat however long
+the job runs. Deletions run on the communication thread, off the caller's
+critical path.
+
+Two store clients are used, because a ``TCPStore`` client is one connection and
+a thread blocked in ``wait`` stalls every other call on it: the caller's
+thread owns ``main`` (add, multi_set) and the communication thread owns
+``comm`` (wait, delete).
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from lightning_partial.collectives.errors import PartialCollectiveError, PartialCollectiveTimeout
+
+
+def clone_store(store: dist.Store) -> dist.Store:
+    """A new client of ``store`` with its own connection (where the store has connections)."""
+    if isinstance(store, dist.HashStore):
+        return store  # in-process and thread-safe: nothing to clone
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError) as err:  # pragma: no cover - depends on the store type
+        raise ValueError(
+            f"cannot open a second client on a {type(store).__name__}: pass a TCPStore, FileStore or HashStore"
+        ) from err
+
+
+class ControlPlane:
+    """Arrival counters and activation keys of one engine, on one rank."""
+
+    def __init__(self, store: dist.Store, *, name: str, rank: int, world_size: int, timeout: timedelta) -> None:
+        prefix = f"lightning_partial/{name}/ctl/"
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.main = dist.PrefixStore(prefix, clone_store(store))
+        self.comm = dist.PrefixStore(prefix, clone_store(store))
+        self.comm.set_timeout(timeout)
+        self.main.set_timeout(timeout)
+        # Keys the communication thread deletes after its next round.
+        self._garbage: list[str] = []
+        self._garbage_lock = threading.Lock()
+
+    # -- caller's thread -------------------------------------------------
+    def arrive(self, step: int) -> int:
+        """Counts this rank's arrival at ``step``; returns how many ranks have arrived there."""
+        count = self._call(lambda: self.main.add(f"n/{step}", 1), step, "count the arrival")
+        if count == self.world_size:
+            self.discard(f"n/{step}")  # every rank has added: nobody touches it again
+        return count
+
+    def meet_condition(self, round_index: int, needed: int) -> None:
+        """One of the ``needed`` activation conditions of ``round_index`` holds; activates on the last."""
+        if needed == 1:
+            self.activate(round_index)
+            return
+        met = self._call(lambda: self.main.add(f"g/{round_index}", 1), round_index, "meet a condition")
+        if met == needed:
+            self.discard(f"g/{round_index}")
+            self.activate(round_index)
+
+    def activate(self, round_index: int) -> None:
+        """Activates ``round_index`` for every rank (one ``multi_set``)."""
+        keys = [f"go/{round_index}/{i}" for i in range(self.world_size)]
+        self._call(lambda: self.main.multi_set(keys, ["1"] * len(keys)), round_index, "activate")
+
+    def discard(self, key: str) -> None:
+        with self._garbage_lock:
+            self._garbage.append(key)
+
+    # -- communication thread ---------------------------------------------
+    def wait_activated(self, round_index: int, timeout: timedelta) -> None:
+        """Blocks until ``round_index`` is activated (or ``wake`` is called)."""
+        self._call(
+            lambda: self.comm.wait([f"go/{round_index}/{self.rank}"], timeout), round_index, "wait for activation"
+        )
+
+    def wake(self, round_index: int) -> None:
+        """Unblocks this rank's communication thread waiting on ``round_index`` (used by close)."""
+        self.main.set(f"go/{round_index}/{self.rank}", "closed")
+
+    def collect(self, round_index: int) -> None:
+        """Deletes this rank's activation key of a completed round and any discarded keys."""
+        with self._garbage_lock:
+            garbage, self._garbage = self._garbage, []
+        for key in [f"go/{round_index}/{self.rank}", *garbage]:
+            self._call(lambda key=key: self.comm.delete_key(key), round_index, "delete old keys")
+
+    def _call(self, fn, round_index: int, what: str):  # type: ignore[no-untyped-def]
+        try:
+            return fn()
+        except dist.DistStoreError as err:
+            if "timeout" in str(err).lower():
+                raise PartialCollectiveTimeout(
+                    f"could not {what}: no answer within {self.timeout.total_seconds():g}s ({err}); "
+                    "is a rank dead or far behind?",
+                    rank=self.rank,
+                    round_index=round_index,
+                ) from err
+            raise PartialCollectiveError(
+                f"could not {what}: the store failed ({err})", rank=self.rank, round_index=round_index
+            ) from err
+        except (dist.DistError, RuntimeError) as err:
+            raise PartialCollectiveError(
+                f"could not {what}: the store is unreachable ({err}); did the rank hosting it die?",
+                rank=self.rank,
+                round_index=round_index,
+            ) from err

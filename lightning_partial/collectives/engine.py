@@ -1,0 +1,544 @@
+"""PartialAllreduce: eager-SGD's partial collectives over torch.distributed.
+
+Threads and collectives (the contract):
+
+* The **caller's thread** (the training loop) calls :meth:`PartialAllreduce.arrive`
+  once per step, in step order, then :meth:`~PartialAllreduce.flush` once at the
+  end. It deposits its gradient in the send buffer, counts its arrival in the
+  store and, if its arrival meets the round's activation rule, activates the
+  round. It then blocks only until the result of *its* step's round is there.
+  It never issues a collective.
+* The **communication thread** (one per engine) runs rounds ``0, 1, 2, ...`` in
+  order, each exactly once: it waits in the store until the round is
+  activated, takes whatever the send buffer holds at that moment (the fresh
+  gradient, carried late ones, or nothing), and issues two allreduces on
+  the engine's own process groups: an int64 header (per-rank counts, steps,
+  progress) on a gloo group, then the data on the data group (gloo, or NCCL
+  for CUDA tensors). The sequence of collectives is therefore identical on
+  every rank, and so are the results: replicas that apply them in order stay
+  bit-identical.
+
+Round ``r`` is the round of training step ``r``: the caller of step ``r``
+receives the result of round ``r`` whether its own gradient made it in
+(fresh) or not (late; carried into a later round or dropped, by policy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_partial.collectives.config import PartialAllreduceConfig
+from lightning_partial.collectives.control import ControlPlane
+from lightning_partial.collectives.errors import (
+    EngineClosedError,
+    PartialCollectiveError,
+    PartialCollectiveTimeout,
+)
+from lightning_partial.collectives.layout import TensorLayout
+from lightning_partial.collectives.stats import RoundStats
+
+log = logging.getLogger(__name__)
+
+Tensors = Union[Tensor, Sequence[Tensor]]
+
+# Columns of the per-rank header row.
+_COUNT, _NEWEST, _OLDEST, _ACTIVATED, _FLUSH, _PROGRESS, _DROPPED = range(7)
+_HEADER_WIDTH = 7
+
+
+@dataclass
+class _Deposit:
+    """Gradients of one or more steps waiting in this rank's send buffer."""
+
+    flats: list[Tensor]
+    step: int
+    ready: Optional[torch.cuda.Event] = None  # recorded on the producer's stream
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """The result of one round, identical on every rank.
+
+    ``tensors`` are shaped like the engine's tensors and already normalised;
+    on CUDA they are ready to use on the caller's current stream.
+    """
+
+    round_index: int
+    tensors: list[Tensor]
+    stats: RoundStats
+
+
+class PartialAllreduce:
+    """A partial allreduce over a sequence of rounds (see the module docstring).
+
+    Args:
+        config: what activates a round, what happens to late gradients, etc.
+        store: a c10d store shared by all ranks (``TCPStore`` in a real job).
+            The engine opens two clients of its own on it and builds its own
+            process groups from it, so the default group (which Lightning uses
+            from the main thread) is never touched.
+        rank: this rank, ``0 <= rank < world_size``.
+        world_size: number of ranks ``P``.
+        like: tensors with the shapes, dtypes and devices that every round
+            carries (their values are not read). Fixed for the engine's life.
+        backend: ``"gloo"`` or ``"nccl"`` for the data; default: NCCL for CUDA
+            tensors when available, gloo otherwise. The header always uses gloo.
+
+    Example::
+
+        engine = PartialAllreduce(PartialAllreduceConfig(mode="solo"), store=store,
+                                  rank=rank, world_size=P, like=[p.grad for p in params])
+        engine.start()
+        for step in range(steps):
+            ...
+            result = engine.arrive([p.grad for p in params])
+            for p, g in zip(params, result.tensors):
+                p.grad.copy_(g)
+            optimizer.step()
+        last = engine.flush()   # apply last.tensors too: carried gradients
+        engine.close()
+    """
+
+    def __init__(
+        self,
+        config: PartialAllreduceConfig,
+        *,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        like: Tensors,
+        backend: Optional[str] = None,
+    ) -> None:
+        if not isinstance(config, PartialAllreduceConfig):
+            raise ValueError(f"config must be a PartialAllreduceConfig, got {type(config).__name__}")
+        config.validate_world(world_size)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
+        if backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self._single = isinstance(like, Tensor)
+        self.layout = TensorLayout([like] if isinstance(like, Tensor) else list(like))
+        devices = {b.device for b in self.layout.buckets}
+        self._cuda_device = next((d for d in devices if d.type == "cuda"), None)
+        if backend is None:
+            backend = "nccl" if self._cuda_device is not None and dist.is_nccl_available() else "gloo"
+        if backend == "nccl" and (len(devices) != 1 or self._cuda_device is None):
+            raise ValueError(f"backend 'nccl' needs all tensors on one CUDA device, got {sorted(map(str, devices))}")
+        self.backend = backend
+        self._store = store
+
+        # Shared between the caller's thread and the communication thread;
+        # every field below is guarded by self._cond.
+        self._cond = threading.Condition()
+        self._step = 0  # the next step the caller arrives at
+        self._snapshotted = -1  # the last round whose send buffer was taken
+        self._pending: list[_Deposit] = []
+        self._dropped = 0
+        self._activated_here: set[int] = set()
+        self._flush_round: Optional[int] = None
+        self._results: dict[int, Union[RoundResult, BaseException]] = {}
+        self._error: Optional[BaseException] = None
+        self._waiting_round: Optional[int] = None
+        self._closing = False
+
+        self._initiators = random.Random(config.seed)
+        self._state = "new"  # new -> running -> flushed -> closed
+        self._thread: Optional[threading.Thread] = None
+        self._control: Optional[ControlPlane] = None
+        self._header_pg: Any = None
+        self._data_pg: Any = None
+        self._stream: Optional[torch.cuda.Stream] = None
+        self._done_events: dict[int, torch.cuda.Event] = {}  # CUDA: result ready, per round
+
+    # ------------------------------------------------------------------ API
+    @property
+    def step(self) -> int:
+        """The step (= round) of the next :meth:`arrive`."""
+        return self._step
+
+    def start(self) -> "PartialAllreduce":
+        """Creates the process groups and the communication thread. Collective: every rank calls it."""
+        if self._state != "new":
+            raise RuntimeError(f"rank {self.rank}: start() called twice (state {self._state})")
+        timeout = self.config.timeout
+        name = self.config.name
+        self._control = ControlPlane(
+            self._store, name=name, rank=self.rank, world_size=self.world_size, timeout=timeout
+        )
+        prefix = f"lightning_partial/{name}/pg/"
+        self._header_pg = dist.ProcessGroupGloo(
+            dist.PrefixStore(prefix + "gloo", self._store), self.rank, self.world_size, timeout
+        )
+        if self.backend == "nccl":  # pragma: no cover - needs GPUs
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._data_pg = dist.ProcessGroupNCCL(
+                dist.PrefixStore(prefix + "nccl", self._store), self.rank, self.world_size, options
+            )
+        else:
+            self._data_pg = self._header_pg
+        if self._cuda_device is not None:  # pragma: no cover - needs GPUs
+            self._stream = torch.cuda.Stream(device=self._cuda_device)
+        self._snapshotted = self._step - 1
+        self._state = "running"
+        self._thread = threading.Thread(
+            target=self._run, name=f"lightning_partial-{name}-rank{self.rank}", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def arrive(self, tensors: Tensors) -> RoundResult:
+        """Contributes this step's gradient and returns the result of this step's round.
+
+        Blocks only until this step's round has completed: if another rank already
+        activated it, that is the time of the collective itself; if not, until the
+        activation rule is met (never, in ``solo`` mode, since this arrival meets it).
+        """
+        self._check_running("arrive")
+        return self._arrive(self._as_list(tensors), flush=False)
+
+    def flush(self, tensors: Optional[Tensors] = None) -> RoundResult:
+        """The final, fully-synchronous round: every rank's pending gradients are summed.
+
+        Every rank must call it at the same step. Afterwards nothing is pending
+        anywhere; the engine accepts no more rounds (``close()`` it).
+        ``tensors``, if given, are a last fresh contribution.
+        """
+        self._check_running("flush")
+        with self._cond:
+            self._flush_round = self._step
+        result = self._arrive(None if tensors is None else self._as_list(tensors), flush=True)
+        self._state = "flushed"
+        assert self._thread is not None
+        self._thread.join(timeout=self.config.timeout.total_seconds())
+        return result
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops the communication thread; bounded by ``timeout`` seconds and idempotent."""
+        if self._state == "closed":
+            return
+        previous, self._state = self._state, "closed"
+        if previous == "new":
+            return
+        with self._cond:
+            self._closing = True
+            waiting = self._waiting_round
+            self._cond.notify_all()
+        thread = self._thread
+        if thread is not None and thread.is_alive() and waiting is not None and self._control is not None:
+            try:
+                self._control.wake(waiting)
+            except Exception as err:  # the store may be gone with a dead rank
+                log.debug("rank %d: could not wake the communication thread: %s", self.rank, err)
+        if thread is not None:
+            thread.join(timeout=timeout)
+            if thread.is_alive():
+                # Stuck inside a collective with a peer that never comes: abort the
+                # groups so that it returns, and leave the daemon thread behind.
+                for pg in {id(self._data_pg): self._data_pg, id(self._header_pg): self._header_pg}.values():
+                    try:
+                        pg.abort()
+                    except Exception:  # not every backend supports abort
+                        pass
+                log.warning("rank %d: the communication thread did not stop within %.1fs", self.rank, timeout)
+
+    def __enter__(self) -> "PartialAllreduce":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Round counter, initiator RNG and pending (carried) gradients of this rank.
+
+        Take it between steps; results that other ranks' activity already
+        produced for later rounds are not part of it, so for a consistent
+        resume of all ranks take it right after a synchronous round.
+        """
+        with self._cond:
+            pending = [[f.detach().clone().cpu() for f in d.flats] for d in self._pending]
+            steps = [d.step for d in self._pending]
+            return {
+                "step": self._step,
+                "initiator_rng": self._initiators.getstate(),
+                "pending": pending,
+                "pending_steps": steps,
+                "dropped": self._dropped,
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict` before :meth:`start`."""
+        if self._state != "new":
+            raise RuntimeError(f"rank {self.rank}: load_state_dict() must come before start()")
+        pending = []
+        for flats, step in zip(state["pending"], state["pending_steps"]):
+            if len(flats) != len(self.layout.buckets) or any(
+                f.numel() != b.numel or f.dtype != b.dtype for f, b in zip(flats, self.layout.buckets)
+            ):
+                raise ValueError(f"rank {self.rank}: the checkpoint's pending gradients do not match the layout")
+            pending.append(_Deposit([f.to(b.device) for f, b in zip(flats, self.layout.buckets)], int(step)))
+        self._step = int(state["step"])
+        self._initiators.setstate(state["initiator_rng"])
+        self._pending = pending
+        self._dropped = int(state.get("dropped", 0))
+
+    # ------------------------------------------------------ caller's thread
+    def _as_list(self, tensors: Tensors) -> list[Tensor]:
+        if isinstance(tensors, Tensor):
+            return [tensors]
+        if not isinstance(tensors, (list, tuple)):
+            raise ValueError(f"rank {self.rank}: expected a tensor or a sequence of tensors, got {type(tensors)}")
+        return list(tensors)
+
+    def _check_running(self, what: str) -> None:
+        if self._state != "running":
+            hint = {"new": "call start() first", "flushed": "the engine was flushed", "closed": "it was closed"}
+            raise EngineClosedError(
+                f"{what}() on an engine that is not running: {hint[self._state]}", rank=self.rank, round_index=self._step
+            )
+
+    def _arrive(self, tensors: Optional[list[Tensor]], *, flush: bool) -> RoundResult:
+        q = self._step
+        deposit = None
+        if tensors is not None:
+            self.layout.check(tensors, rank=self.rank, round_index=q)
+            flats = self.layout.flatten(tensors)
+            ready = None
+            if self._cuda_device is not None:  # pragma: no cover - needs GPUs
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self._cuda_device))
+            deposit = _Deposit(flats, q, ready)
+        started = time.perf_counter()
+        with self._cond:
+            self._raise_if_failed(q)
+            late = self._snapshotted >= q
+            if deposit is not None:
+                if late and self.config.late == "drop":
+                    self._dropped += 1
+                else:
+                    self._pending.append(deposit)
+            self._step = q + 1
+
+        control = self._control
+        assert control is not None
+        initiator = self._initiators.randrange(self.world_size)  # advanced once per round on every rank
+        arrived = control.arrive(q)
+        needed = self.config.activation_count(self.world_size, flush or self.config.is_sync_round(q))
+        meets_rule = arrived == needed if needed is not None else initiator == self.rank
+        if meets_rule:
+            with self._cond:
+                self._activated_here.add(q)
+            control.meet_condition(q, self._conditions(q))
+        s = self.config.max_staleness
+        if s is not None and arrived == self.world_size:
+            # Everybody has arrived at q: the gate of round q + s opens.
+            control.meet_condition(q + s, self._conditions(q + s))
+
+        result = self._wait_result(q)
+        stats = dataclasses.replace(
+            result.stats,
+            wait_time=time.perf_counter() - started,
+            initiator=initiator if self.config.mode == "majority" and not result.stats.synchronous else None,
+        )
+        return dataclasses.replace(result, stats=stats)
+
+    def _conditions(self, round_index: int) -> int:
+        """How many conditions activate ``round_index``: the mode's rule, plus the staleness gate."""
+        s = self.config.max_staleness
+        return 2 if s is not None and round_index - s >= 0 else 1
+
+    def _wait_result(self, q: int) -> RoundResult:
+        deadline = time.monotonic() + self.config.timeout.total_seconds()
+        with self._cond:
+            while q not in self._results:
+                self._raise_if_failed(q)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PartialCollectiveTimeout(
+                        f"round {q} did not complete within {self.config.timeout.total_seconds():g}s "
+                        f"(mode={self.config.mode}); is a rank dead or stalled?",
+                        rank=self.rank,
+                        round_index=q,
+                    )
+                self._cond.wait(timeout=remaining)
+            result = self._results.pop(q)
+        if isinstance(result, BaseException):
+            raise result
+        if self._cuda_device is not None:  # pragma: no cover - needs GPUs
+            stream = torch.cuda.current_stream(self._cuda_device)
+            with self._cond:
+                event = self._done_events.pop(q)
+            stream.wait_event(event)
+            for t in result.tensors:
+                t.record_stream(stream)
+        return result
+
+    def _raise_if_failed(self, q: int) -> None:
+        if self._error is not None:
+            err = self._error
+            if isinstance(err, PartialCollectiveError):
+                raise err
+            raise PartialCollectiveError(
+                f"the communication thread failed: {err!r}", rank=self.rank, round_index=q
+            ) from err
+
+    # ---------------------------------------------------- communication thread
+    def _run(self) -> None:
+        if self._cuda_device is not None:  # pragma: no cover - needs GPUs
+            torch.cuda.set_device(self._cuda_device)
+        r = self._snapshotted + 1
+        control = self._control
+        assert control is not None
+        try:
+            while True:
+                with self._cond:
+                    if self._closing:
+                        return
+                    self._waiting_round = r
+                began = time.perf_counter()
+                control.wait_activated(r, self.config.timeout)
+                activated = time.perf_counter()
+                with self._cond:
+                    if self._closing:
+                        return
+                    self._waiting_round = None
+                    deposits, self._pending = self._pending, []
+                    self._snapshotted = r
+                    row = torch.zeros(self.world_size, _HEADER_WIDTH, dtype=torch.int64)
+                    row[self.rank, _COUNT] = len(deposits)
+                    if deposits:
+                        row[self.rank, _NEWEST] = max(d.step for d in deposits) + 1
+                        row[self.rank, _OLDEST] = min(d.step for d in deposits) + 1
+                    row[self.rank, _ACTIVATED] = int(r in self._activated_here)
+                    self._activated_here.discard(r)
+                    row[self.rank, _FLUSH] = int(self._flush_round == r)
+                    row[self.rank, _PROGRESS] = self._step
+                    row[self.rank, _DROPPED] = self._dropped
+                    self._dropped = 0
+                result = self._reduce(r, row, deposits, activation_latency=activated - began)
+                with self._cond:
+                    self._results[r] = result
+                    self._cond.notify_all()
+                control.collect(r)
+                if result.stats.flush:
+                    return
+                r += 1
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            with self._cond:
+                if self._closing:
+                    return
+                if not isinstance(err, PartialCollectiveError):
+                    err = PartialCollectiveError(f"{type(err).__name__}: {err}", rank=self.rank, round_index=r)
+                self._error = err
+                self._cond.notify_all()
+            log.error("%s", err)
+
+    def _reduce(self, r: int, header: Tensor, deposits: list[_Deposit], *, activation_latency: float) -> RoundResult:
+        """Issues the round's two allreduces (header on gloo, data on the data group)."""
+        self._collective(self._header_pg, header, r, "header")
+        flats = self._sum_deposits(deposits)
+        for flat in flats:
+            self._collective(self._data_pg, flat, r, "data")
+
+        counts = header[:, _COUNT].tolist()
+        newest = header[:, _NEWEST].tolist()
+        oldest = header[:, _OLDEST].tolist()
+        flushing = header[:, _FLUSH].tolist()
+        if 0 < sum(flushing) < self.world_size:
+            raise PartialCollectiveError(
+                f"ranks {[i for i, f in enumerate(flushing) if f]} called flush() at this round but ranks "
+                f"{[i for i, f in enumerate(flushing) if not f]} arrived: every rank must flush at the same step",
+                rank=self.rank,
+                round_index=r,
+            )
+        activators = [i for i, a in enumerate(header[:, _ACTIVATED].tolist()) if a]
+        total = int(sum(counts))
+        normalize = self.config.normalize
+        divisor = float(self.world_size if normalize == "world" else max(total, 1) if normalize == "contributors" else 1)
+        if divisor != 1.0:
+            for flat in flats:
+                flat.div_(divisor)
+        if self._stream is not None:  # pragma: no cover - needs GPUs
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            with self._cond:
+                self._done_events[r] = event
+        stats = RoundStats(
+            round_index=r,
+            activator=activators[0] if activators else -1,
+            initiator=None,
+            synchronous=bool(flushing[0]) or self.config.mode == "sync" or self.config.is_sync_round(r),
+            flush=bool(flushing[0]),
+            fresh=tuple(i for i, n in enumerate(newest) if n - 1 == r),
+            counts=tuple(int(c) for c in counts),
+            staleness=tuple(r - (n - 1) if c else None for c, n in zip(counts, newest)),
+            oldest_staleness=tuple(r - (o - 1) if c else None for c, o in zip(counts, oldest)),
+            progress=tuple(int(p) for p in header[:, _PROGRESS].tolist()),
+            dropped=tuple(int(d) for d in header[:, _DROPPED].tolist()),
+            contributions=total,
+            divisor=divisor,
+            activation_latency=activation_latency,
+        )
+        tensors = self.layout.unflatten(flats)
+        return RoundResult(round_index=r, tensors=tensors, stats=stats)
+
+    def _sum_deposits(self, deposits: list[_Deposit]) -> list[Tensor]:
+        if not deposits:
+            return self.layout.zeros()
+        if self._stream is None:
+            flats = deposits[0].flats
+            for d in deposits[1:]:
+                for acc, f in zip(flats, d.flats):
+                    acc.add_(f)
+            return flats
+        with torch.cuda.stream(self._stream):  # pragma: no cover - needs GPUs
+            for d in deposits:
+                if d.ready is not None:
+                    self._stream.wait_event(d.ready)
+                for f in d.flats:
+                    f.record_stream(self._stream)
+            flats = [f.clone() for f in deposits[0].flats]
+            for d in deposits[1:]:
+                for acc, f in zip(flats, d.flats):
+                    acc.add_(f)
+            return flats
+
+    def _collective(self, pg: Any, tensor: Tensor, r: int, what: str) -> None:
+        timeout = self.config.timeout
+        try:
+            if self._stream is not None and tensor.is_cuda:  # pragma: no cover - needs GPUs
+                with torch.cuda.stream(self._stream):
+                    work = pg.allreduce([tensor])
+                    work.wait(timeout)
+                return
+            work = pg.allreduce([tensor])
+            if not work.wait(timeout):
+                raise PartialCollectiveTimeout(
+                    f"{what} allreduce did not complete within {timeout.total_seconds():g}s",
+                    rank=self.rank,
+                    round_index=r,
+                )
+        except PartialCollectiveError:
+            raise
+        except Exception as err:
+            kind = PartialCollectiveTimeout if "timed out" in str(err).lower() or "timeout" in str(err).lower() else PartialCollectiveError
+            raise kind(
+                f"{what} allreduce failed ({type(err).__name__}: {err}); a peer rank probably died",
+                rank=self.rank,
+                round_index=r,
+            ) from err

@@ -1,0 +1,85 @@
+"""Flattening a list of tensors into one contiguous buffer per (dtype, device)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    dtype: torch.dtype
+    device: torch.device
+    indices: tuple[int, ...]
+    shapes: tuple[torch.Size, ...]
+    numel: int
+
+
+class TensorLayout:
+    """The fixed structure of what a rank contributes every round.
+
+    Tensors are grouped by dtype and device; each group travels as one flat
+    buffer (one collective per group). The layout is fixed by the first
+    round: a later round whose tensors differ in number, shape, dtype or
+    device is an error, because the collective sequence must be identical on
+    every rank and in every round.
+    """
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        if len(tensors) == 0:
+            raise ValueError("a partial allreduce needs at least one tensor")
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, t in enumerate(tensors):
+            if not isinstance(t, Tensor):
+                raise ValueError(f"tensor {i} is a {type(t).__name__}, not a torch.Tensor")
+            groups.setdefault((t.dtype, t.device), []).append(i)
+        self.signature: tuple[tuple[torch.Size, torch.dtype, torch.device], ...] = tuple(
+            (t.shape, t.dtype, t.device) for t in tensors
+        )
+        self.buckets: tuple[_Bucket, ...] = tuple(
+            _Bucket(
+                dtype=dtype,
+                device=device,
+                indices=tuple(idx),
+                shapes=tuple(tensors[i].shape for i in idx),
+                numel=sum(tensors[i].numel() for i in idx),
+            )
+            for (dtype, device), idx in groups.items()
+        )
+
+    def check(self, tensors: Sequence[Tensor], *, rank: int, round_index: int) -> None:
+        """Raises ``ValueError`` if ``tensors`` do not match the layout."""
+        signature = tuple((t.shape, t.dtype, t.device) for t in tensors)
+        if signature != self.signature:
+            raise ValueError(
+                f"rank {rank}, round {round_index}: the tensors changed since the first round "
+                f"(expected {len(self.signature)} tensors {_describe(self.signature)}, "
+                f"got {len(signature)} tensors {_describe(signature)}); the layout must stay fixed"
+            )
+
+    def flatten(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """Copies ``tensors`` into new flat buffers, one per bucket."""
+        # torch.cat always allocates: the caller may reuse its tensors at once.
+        return [torch.cat([tensors[i].detach().reshape(-1) for i in b.indices]) for b in self.buckets]
+
+    def zeros(self) -> list[Tensor]:
+        return [torch.zeros(b.numel, dtype=b.dtype, device=b.device) for b in self.buckets]
+
+    def unflatten(self, flats: Sequence[Tensor]) -> list[Tensor]:
+        """Views of ``flats`` shaped like the original tensors, in their order."""
+        out: list[Tensor] = [None] * len(self.signature)  # type: ignore[list-item]
+        for bucket, flat in zip(self.buckets, flats):
+            offset = 0
+            for i, shape in zip(bucket.indices, bucket.shapes):
+                n = shape.numel()
+                out[i] = flat[offset : offset + n].view(shape)
+                offset += n
+        return out
+
+
+def _describe(signature: Sequence[tuple[torch.Size, torch.dtype, torch.device]]) -> str:
+    shown = ", ".join(f"{tuple(s)}:{str(d).replace('torch.', '')}@{dev}" for s, d, dev in signature[:4])
+    return f"[{shown}{', ...' if len(signature) > 4 else ''}]"

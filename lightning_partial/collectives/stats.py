@@ -1,0 +1,65 @@
+"""Per-round statistics, as seen by one rank after the round completed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundStats:
+    """What happened in one round.
+
+    Everything but ``wait_time`` and ``activation_latency`` comes from the
+    header that travels with the round's data, so it is identical on all ranks.
+
+    Attributes:
+        round_index: the round (= training step) these statistics describe.
+        activator: the rank whose arrival activated the round.
+        initiator: the round's initiator in ``"majority"`` mode, else ``None``.
+        synchronous: the round waited for every rank (``sync`` mode, a
+            ``sync_every`` round, or the final flush).
+        flush: the round is a final flush.
+        fresh: ranks whose gradient of this very step was in the round.
+        counts: per rank, how many gradients it contributed (0: none).
+        staleness: per rank, ``round_index`` minus the step of the newest gradient
+            it contributed; ``None`` where it contributed nothing.
+        oldest_staleness: per rank, the same for its oldest contributed gradient.
+        progress: per rank, how many arrivals it had made when the round was
+            snapshotted (its steps done, from its own point of view).
+        dropped: gradients dropped by ``late="drop"`` since the previous round, per rank.
+        contributions: total gradients summed in the round.
+        divisor: what the sum was divided by (1 for ``normalize="sum"``).
+        wait_time: seconds this rank's caller was blocked in ``arrive``/``flush``.
+        activation_latency: seconds between this rank's communication thread
+            starting to wait for the round and the round being activated,
+            or ``0.0`` if it was already active.
+    """
+
+    round_index: int
+    activator: int
+    initiator: Optional[int]
+    synchronous: bool
+    flush: bool
+    fresh: tuple[int, ...]
+    counts: tuple[int, ...]
+    staleness: tuple[Optional[int], ...]
+    oldest_staleness: tuple[Optional[int], ...]
+    progress: tuple[int, ...]
+    dropped: tuple[int, ...]
+    contributions: int
+    divisor: float
+    wait_time: float = 0.0
+    activation_latency: float = 0.0
+
+    @property
+    def max_staleness(self) -> int:
+        """Largest staleness of any contribution of the round (0 if none is stale)."""
+        values = [s for s in self.oldest_staleness if s is not None]
+        return max(values) if values else 0
+
+    @property
+    def mean_staleness(self) -> float:
+        """Mean staleness over the ranks that contributed (newest gradient each)."""
+        values = [s for s in self.staleness if s is not None]
+        return sum(values) / len(values) if values else 0.0
