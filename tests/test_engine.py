@@ -1,0 +1,477 @@
+"""The partial-collective engine across 4 real gloo ranks (threads, TCPStore on loopback)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_partial.collectives import (
+    EngineClosedError,
+    PartialAllreduce,
+    PartialAllreduceConfig,
+    PartialCollectiveTimeout,
+    RoundResult,
+)
+
+from distributed import run_threads
+
+P = 4
+MODES = [
+    dict(mode="solo"),
+    dict(mode="majority"),
+    dict(mode="quorum", quorum=2),
+    dict(mode="quorum", quorum=3),
+    dict(mode="sync"),
+]
+
+
+def config(**kw) -> PartialAllreduceConfig:
+    kw.setdefault("timeout", timedelta(seconds=30))
+    return PartialAllreduceConfig(**kw)
+
+
+def random_delay(rng: random.Random, scale: float = 0.002) -> None:
+    """Per-rank straggler delay: occasionally long, usually short."""
+    time.sleep(rng.random() * scale * (8 if rng.random() < 0.1 else 1))
+
+
+def train_loop(cfg, steps, grad, *, delay=None, shape=(5,), dtype=torch.float64):
+    """Per rank: ``steps`` arrivals of ``grad(rank, step)``, then a flush; returns results and what was sent."""
+
+    def fn(rank: int, store: dist.Store):
+        engine = PartialAllreduce(cfg, store=store, rank=rank, world_size=P, like=torch.zeros(shape, dtype=dtype))
+        engine.start()
+        rng = random.Random(1000 + rank)
+        sent, results = [], []
+        try:
+            for step in range(steps):
+                if delay is not None:
+                    delay(rank, step, rng)
+                g = grad(rank, step)
+                sent.append(g.clone())
+                results.append(engine.arrive(g))
+            results.append(engine.flush())
+            assert engine.state_dict()["pending"] == []
+        finally:
+            engine.close()
+        return sent, results
+
+    return run_threads(P, fn)
+
+
+def integer_grad(rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rank * 100003 + step)
+    return torch.randint(-1000, 1000, (5,), generator=g).to(torch.float64)
+
+
+def float_grad(rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rank * 100003 + step)
+    return torch.randn(5, generator=g, dtype=torch.float64) * 1e3
+
+
+def assert_identical(per_rank: list[list[RoundResult]]) -> None:
+    for rank_results in per_rank[1:]:
+        assert len(rank_results) == len(per_rank[0])
+        for a, b in zip(per_rank[0], rank_results):
+            assert a.round_index == b.round_index
+            for x, y in zip(a.tensors, b.tensors):
+                assert torch.equal(x, y), f"round {a.round_index} differs between ranks"
+            assert dataclass_header(a) == dataclass_header(b)
+
+
+def dataclass_header(r: RoundResult):
+    s = r.stats
+    return (s.activator, s.fresh, s.counts, s.staleness, s.progress, s.dropped, s.contributions, s.flush)
+
+
+def test_sync_returns_exactly_all_reduce():
+    """sync + normalize='sum' is bit-for-bit dist.all_reduce; 'world' is all_reduce / P."""
+    steps = 20
+
+    def fn(rank: int, store: dist.Store):
+        ref_pg = dist.ProcessGroupGloo(dist.PrefixStore("ref", store), rank, P, timedelta(seconds=30))
+        like = torch.zeros(1000, dtype=torch.float32)
+        engines = [
+            PartialAllreduce(config(mode="sync", normalize=n, name=n), store=store, rank=rank, world_size=P, like=like)
+            for n in ("sum", "world")
+        ]
+        for e in engines:
+            e.start()
+        try:
+            for step in range(steps):
+                g = torch.randn(1000, generator=torch.Generator().manual_seed(rank * 7919 + step)) * 10 ** (step % 7)
+                expected = g.clone()
+                ref_pg.allreduce([expected]).wait()
+                summed = engines[0].arrive(g)
+                assert torch.equal(summed.tensors[0], expected), f"round {step}"
+                assert summed.stats.fresh == (0, 1, 2, 3)
+                world = engines[1].arrive(g)
+                assert torch.equal(world.tensors[0], expected / P)
+            for e in engines:
+                assert e.flush().stats.contributions == 0
+        finally:
+            for e in engines:
+                e.close()
+
+    run_threads(P, fn)
+
+
+@pytest.mark.parametrize("late", ["carry", "drop"])
+@pytest.mark.parametrize("kw", MODES, ids=lambda kw: f"{kw['mode']}{kw.get('quorum', '')}")
+def test_all_ranks_receive_identical_results(kw, late):
+    per_rank = train_loop(
+        config(late=late, normalize="contributors", **kw),
+        steps=40,
+        grad=float_grad,
+        delay=lambda rank, step, rng: random_delay(rng),
+        dtype=torch.float64,
+    )
+    assert_identical([results for _, results in per_rank])
+
+
+@pytest.mark.parametrize("kw", MODES, ids=lambda kw: f"{kw['mode']}{kw.get('quorum', '')}")
+def test_conservation_with_carry(kw):
+    """Over 200+ rounds with random delays, what was applied sums exactly to what arrived."""
+    per_rank = train_loop(
+        config(late="carry", normalize="sum", **kw),
+        steps=220,
+        grad=integer_grad,
+        delay=lambda rank, step, rng: random_delay(rng),
+    )
+    arrived = sum(g for sent, _ in per_rank for g in sent)
+    results = per_rank[0][1]
+    applied = sum(r.tensors[0] for r in results)
+    assert torch.equal(applied, arrived)
+    assert sum(r.stats.contributions for r in results) == P * 220
+    if kw["mode"] != "sync":
+        # The delays really made some gradients late (otherwise this proves nothing).
+        assert any(r.stats.max_staleness > 0 for r in results)
+
+
+def test_drop_policy_accounts_for_every_gradient():
+    """late='drop' discards late gradients, but every one is counted: applied + dropped = arrived."""
+    per_rank = train_loop(
+        config(mode="solo", late="drop", normalize="sum"),
+        steps=150,
+        grad=lambda rank, step: torch.full((5,), float(rank + 1), dtype=torch.float64),
+        delay=lambda rank, step, rng: random_delay(rng),
+    )
+    results = per_rank[0][1]
+    applied = sum(r.stats.contributions for r in results)
+    dropped = sum(sum(r.stats.dropped) for r in results)
+    assert applied + dropped == P * 150
+    assert dropped > 0
+    assert all(s in (0, None) for r in results for s in r.stats.staleness)  # nothing stale is ever applied
+    total = sum(r.tensors[0][0].item() for r in results)
+    per_rank_applied = [sum(r.stats.counts[i] for r in results) for i in range(P)]
+    assert total == sum((i + 1) * n for i, n in enumerate(per_rank_applied))
+
+
+def test_solo_does_not_wait_for_a_straggler():
+    """Rank 3 arrives at round 5 only after ranks 0-2 have *completed* round 5 and 6.
+
+    If round 5 waited for rank 3, this would deadlock (and fail by timeout).
+    Rank 3's step-5 gradient must then appear in a later round, stale.
+    """
+    straggle_at = 5
+    done = {5: threading.Barrier(3), 6: threading.Barrier(3)}
+    others_done = threading.Event()
+
+    def delay(rank, step, rng):
+        if rank == 3 and step == straggle_at:
+            assert others_done.wait(timeout=20), "the others were blocked by the straggler"
+
+    def grad(rank, step):
+        value = 1000.0 if (rank == 3 and step == straggle_at) else 1.0
+        return torch.full((5,), value, dtype=torch.float64)
+
+    cfg = config(mode="solo", normalize="sum")
+
+    def fn(rank, store):
+        engine = PartialAllreduce(cfg, store=store, rank=rank, world_size=P, like=torch.zeros(5, dtype=torch.float64))
+        engine.start()
+        results = []
+        try:
+            for step in range(12):
+                delay(rank, step, None)
+                results.append(engine.arrive(grad(rank, step)))
+                if rank != 3 and step in done:
+                    if done[step].wait(timeout=20) == 0 and step == 6:
+                        others_done.set()
+            results.append(engine.flush())
+        finally:
+            engine.close()
+        return results
+
+    per_rank = run_threads(P, fn)
+    assert_identical(per_rank)
+    results = per_rank[0]
+    assert 3 not in results[straggle_at].stats.fresh
+    assert 3 not in results[6].stats.fresh  # round 6 did not wait either
+    # The 1000 appears exactly once, in a later round, with rank 3 stale there.
+    landing = [r for r in results if r.tensors[0][0].item() >= 1000]
+    assert len(landing) == 1 and landing[0].round_index > 6
+    assert landing[0].stats.oldest_staleness[3] >= 2
+
+
+def test_majority_waits_for_the_shared_initiator():
+    seed = 1234
+    per_rank = train_loop(
+        config(mode="majority", seed=seed, normalize="sum"),
+        steps=60,
+        grad=integer_grad,
+        delay=lambda rank, step, rng: random_delay(rng),
+    )
+    expected = random.Random(seed)
+    initiators = [expected.randrange(P) for _ in range(60)]
+    for _, results in per_rank:
+        assert [r.stats.initiator for r in results[:-1]] == initiators  # same sequence on every rank
+        for r in results[:-1]:
+            # The round activated on its initiator's arrival, hence the initiator is fresh.
+            assert r.stats.activator == r.stats.initiator
+            assert r.stats.initiator in r.stats.fresh
+    assert len({len(r.stats.fresh) for r in per_rank[0][1][:-1]}) > 1  # not secretly synchronous
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_quorum_never_activates_with_fewer_than_k_fresh(k):
+    per_rank = train_loop(
+        config(mode="quorum", quorum=k, normalize="sum"),
+        steps=60,
+        grad=integer_grad,
+        delay=lambda rank, step, rng: random_delay(rng),
+    )
+    for r in per_rank[0][1][:-1]:
+        assert len(r.stats.fresh) >= k, r.stats
+
+
+@pytest.mark.parametrize("s", [0, 1, 3])
+def test_max_staleness_bounds_how_far_a_rank_runs_ahead(s):
+    entered = [0] * P
+    violations = []
+    lock = threading.Lock()
+
+    def delay(rank, step, rng):
+        if rank == 3:
+            time.sleep(0.004)  # a persistent straggler
+        with lock:
+            ahead = step - min(entered)
+            if ahead > s:
+                violations.append((rank, step, list(entered)))
+            entered[rank] += 1
+
+    per_rank = train_loop(config(mode="solo", max_staleness=s, normalize="sum"), steps=40, grad=integer_grad, delay=delay)
+    assert violations == []
+    for r in per_rank[0][1]:
+        assert r.stats.max_staleness <= s
+        if s == 0 and not r.stats.flush:
+            assert r.stats.fresh == (0, 1, 2, 3)
+    assert torch.equal(sum(r.tensors[0] for r in per_rank[0][1]), sum(g for sent, _ in per_rank for g in sent))
+
+
+def test_sync_every_makes_periodic_rounds_synchronous():
+    per_rank = train_loop(
+        config(mode="solo", sync_every=4, normalize="sum"),
+        steps=24,
+        grad=integer_grad,
+        delay=lambda rank, step, rng: random_delay(rng),
+    )
+    for r in per_rank[0][1][:-1]:
+        if (r.round_index + 1) % 4 == 0:
+            assert r.stats.synchronous and r.stats.fresh == (0, 1, 2, 3)
+
+
+def test_several_tensors_and_dtypes():
+    like = [torch.zeros(3, 2), torch.zeros(4, dtype=torch.float64), torch.zeros(1)]
+
+    def fn(rank, store):
+        with PartialAllreduce(config(mode="sync", normalize="sum"), store=store, rank=rank, world_size=P, like=like) as e:
+            e.start()
+            r = e.arrive([torch.full_like(t, rank + 1) for t in like])
+            assert [t.shape for t in r.tensors] == [t.shape for t in like]
+            assert [t.dtype for t in r.tensors] == [t.dtype for t in like]
+            assert all(torch.all(t == 10) for t in r.tensors)
+            with pytest.raises(ValueError, match="changed since the first round"):
+                e.arrive([torch.zeros(3, 3), torch.zeros(4, dtype=torch.float64), torch.zeros(1)])
+            with pytest.raises(ValueError, match="changed since the first round"):
+                e.arrive([t.float() for t in like])
+            e.flush()
+
+    run_threads(P, fn)
+
+
+def test_checkpoint_carries_pending_gradients():
+    """state_dict/load_state_dict keeps the round counter, RNG and carried gradients."""
+    like = torch.zeros(2, dtype=torch.float64)
+
+    def fn(rank, store):
+        first = PartialAllreduce(config(mode="majority", seed=7, name="a"), store=store, rank=rank, world_size=P, like=like)
+        state = first.state_dict()
+        state["pending"] = [[torch.full((2,), float(rank + 1), dtype=torch.float64)]]
+        state["pending_steps"] = [4]
+        state["step"] = 5
+        second = PartialAllreduce(
+            config(mode="majority", seed=7, name="b", normalize="sum"), store=store, rank=rank, world_size=P, like=like
+        )
+        second.load_state_dict(state)
+        second.start()
+        try:
+            assert second.step == 5
+            r = second.flush()
+            assert r.round_index == 5 and r.stats.flush
+            assert torch.equal(r.tensors[0], torch.full((2,), 10.0, dtype=torch.float64))
+            assert r.stats.oldest_staleness == (1, 1, 1, 1)
+        finally:
+            second.close()
+        with pytest.raises(ValueError, match="do not match"):
+            third = PartialAllreduce(config(name="c"), store=store, rank=rank, world_size=P, like=like)
+            third.load_state_dict({**state, "pending": [[torch.zeros(3)]]})
+
+    run_threads(P, fn)
+
+
+def test_store_stays_flat():
+    """Old keys are deleted: the store holds the same number of keys after 40 and after 240 rounds."""
+    counts = {}
+
+    def fn(rank, store):
+        e = PartialAllreduce(
+            config(mode="solo", max_staleness=2), store=store, rank=rank, world_size=P, like=torch.zeros(1)
+        )
+        e.start()
+        try:
+            for step in range(240):
+                e.arrive(torch.ones(1))
+                if rank == 0 and step in (40, 239):
+                    time.sleep(0.05)  # let deferred deletions run (not a timing assert)
+                    counts[step] = store.num_keys()
+            e.flush()
+        finally:
+            e.close()
+
+    run_threads(P, fn)
+    assert counts[239] <= counts[40] + 2 * P, counts
+
+
+def test_close_is_bounded_and_idempotent():
+    def fn(rank, store):
+        e = PartialAllreduce(config(mode="sync"), store=store, rank=rank, world_size=P, like=torch.zeros(1))
+        e.start()
+        e.arrive(torch.ones(1))
+        # The communication thread now blocks waiting for round 1, which never comes.
+        t0 = time.monotonic()
+        e.close(timeout=5)
+        e.close(timeout=5)
+        assert time.monotonic() - t0 < 5, "close() hit its bound: the thread was not woken"
+        assert not e._thread.is_alive()
+        with pytest.raises(EngineClosedError, match=f"rank {rank}"):
+            e.arrive(torch.ones(1))
+
+    run_threads(P, fn)
+
+
+def test_missing_rank_times_out_with_rank_and_round():
+    """In sync mode a rank that never arrives makes the others raise, naming rank and round."""
+
+    def fn(rank, store):
+        e = PartialAllreduce(
+            config(mode="sync", timeout=timedelta(seconds=2)), store=store, rank=rank, world_size=P, like=torch.zeros(1)
+        )
+        e.start()
+        try:
+            for step in range(3):
+                if rank == 2 and step == 2:
+                    return "absent"
+                e.arrive(torch.ones(1))
+        except PartialCollectiveTimeout as err:
+            assert f"rank {rank}" in str(err) and "round 2" in str(err)
+            return "timeout"
+        finally:
+            e.close(timeout=2)
+        return "completed"
+
+    assert run_threads(P, fn, timeout=30) == ["timeout", "timeout", "absent", "timeout"]
+
+
+def test_flush_at_different_steps_is_an_error():
+    def fn(rank, store):
+        e = PartialAllreduce(
+            config(mode="solo", timeout=timedelta(seconds=3)), store=store, rank=rank, world_size=P, like=torch.zeros(1)
+        )
+        e.start()
+        try:
+            if rank == 0:
+                e.flush()
+            else:
+                e.arrive(torch.ones(1))
+            return "no error"
+        except Exception as err:  # noqa: BLE001
+            return str(err)
+        finally:
+            e.close(timeout=2)
+
+    messages = run_threads(P, fn, timeout=30)
+    assert all("same step" in m or "round 0" in m for m in messages), messages
+
+
+def test_world_size_one():
+    def fn(rank, store):
+        with PartialAllreduce(config(mode="solo"), store=store, rank=0, world_size=1, like=torch.zeros(2)) as e:
+            e.start()
+            assert torch.equal(e.arrive(torch.ones(2)).tensors[0], torch.ones(2))
+            e.flush()
+
+    run_threads(1, fn)
+
+
+class TestBadInput:
+    @pytest.mark.parametrize(
+        "kw, match",
+        [
+            (dict(mode="eager"), "unknown mode 'eager'"),
+            (dict(mode="quorum"), "needs quorum"),
+            (dict(mode="quorum", quorum=0), "quorum must be an integer >= 1"),
+            (dict(mode="solo", quorum=2), "only meaningful with mode='quorum'"),
+            (dict(late="keep"), "unknown late policy"),
+            (dict(normalize="mean"), "unknown normalize"),
+            (dict(max_staleness=-1), "max_staleness must be an integer >= 0"),
+            (dict(sync_every=0), "sync_every must be an integer >= 1"),
+            (dict(timeout=timedelta(0)), "timeout must be a positive"),
+            (dict(timeout=5), "timeout must be a positive"),
+            (dict(name="a/b"), "name must be"),
+        ],
+    )
+    def test_config(self, kw, match):
+        with pytest.raises(ValueError, match=match):
+            PartialAllreduceConfig(**kw)
+
+    @pytest.mark.parametrize(
+        "kw, world, rank, match",
+        [
+            (dict(mode="quorum", quorum=5), 4, 0, r"quorum must be in 1..4"),
+            (dict(mode="majority"), 1, 0, "majority' needs at least 2 ranks"),
+            (dict(mode="solo"), 4, 4, r"rank must be in 0..3"),
+            (dict(mode="solo"), 0, 0, "world size must be >= 1"),
+        ],
+    )
+    def test_engine(self, kw, world, rank, match):
+        with pytest.raises(ValueError, match=match):
+            PartialAllreduce(PartialAllreduceConfig(**kw), store=dist.HashStore(), rank=rank, world_size=world, like=torch.zeros(1))
+
+    def test_empty_and_non_tensor(self):
+        with pytest.raises(ValueError, match="at least one tensor"):
+            PartialAllreduce(PartialAllreduceConfig(), store=dist.HashStore(), rank=0, world_size=1, like=[])
+        with pytest.raises(ValueError, match="not a torch.Tensor"):
+            PartialAllreduce(PartialAllreduceConfig(), store=dist.HashStore(), rank=0, world_size=1, like=[1.0])
+
+    def test_arrive_before_start(self):
+        e = PartialAllreduce(PartialAllreduceConfig(), store=dist.HashStore(), rank=0, world_size=1, like=torch.zeros(1))
+        with pytest.raises(EngineClosedError, match="call start"):
+            e.arrive(torch.zeros(1))
+        e.close()
