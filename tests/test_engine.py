@@ -377,7 +377,8 @@ def test_close_is_bounded_and_idempotent():
 
 
 def test_missing_rank_times_out_with_rank_and_round():
-    """In sync mode a rank that never arrives makes the others raise, naming rank and round."""
+    """In sync mode a live rank that stops arriving makes the others raise, naming rank and round."""
+    raised = threading.Semaphore(0)
 
     def fn(rank, store):
         e = PartialAllreduce(
@@ -387,10 +388,13 @@ def test_missing_rank_times_out_with_rank_and_round():
         try:
             for step in range(3):
                 if rank == 2 and step == 2:
+                    # Stay alive (a stalled rank, not a dead one) until the others gave up.
+                    assert all(raised.acquire(timeout=20) for _ in range(P - 1))
                     return "absent"
                 e.arrive(torch.ones(1))
         except PartialCollectiveTimeout as err:
-            assert f"rank {rank}" in str(err) and "round 2" in str(err)
+            raised.release()
+            assert f"rank {rank}" in str(err) and "round 2" in str(err), str(err)
             return "timeout"
         finally:
             e.close(timeout=2)

@@ -11,6 +11,7 @@ from lightning_partial.collectives.errors import (
     PartialCollectiveTimeout,
 )
 from lightning_partial.collectives.stats import RoundStats
+from lightning_partial.collectives.store import create_store
 
 __all__ = [
     "EngineClosedError",
@@ -20,4 +21,5 @@ __all__ = [
     "PartialCollectiveTimeout",
     "RoundResult",
     "RoundStats",
+    "create_store",
 ]

@@ -33,18 +33,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lightning_partial.collectives.errors import PartialCollectiveError, PartialCollectiveTimeout
-
-
-def clone_store(store: dist.Store) -> dist.Store:
-    """A new client of ``store`` with its own connection (where the store has connections)."""
-    if isinstance(store, dist.HashStore):
-        return store  # in-process and thread-safe: nothing to clone
-    try:
-        return store.clone()
-    except (AttributeError, RuntimeError) as err:  # pragma: no cover - depends on the store type
-        raise ValueError(
-            f"cannot open a second client on a {type(store).__name__}: pass a TCPStore, FileStore or HashStore"
-        ) from err
+from lightning_partial.collectives.store import clone_store
 
 
 class ControlPlane:

@@ -71,12 +71,21 @@ class RoundResult:
     """The result of one round, identical on every rank.
 
     ``tensors`` are shaped like the engine's tensors and already normalised;
-    on CUDA they are ready to use on the caller's current stream.
+    on CUDA they are ready to use on the caller's current stream. They are
+    views of engine-allocated buffers that belong to the caller until it calls
+    :meth:`release` (optional: it lets the engine reuse the memory).
     """
 
     round_index: int
     tensors: list[Tensor]
     stats: RoundStats
+    buffers: list[Tensor] = dataclasses.field(default_factory=list, repr=False)
+    layout: Optional[TensorLayout] = dataclasses.field(default=None, repr=False, compare=False)
+
+    def release(self) -> None:
+        """Hands the buffers back to the engine; ``tensors`` must not be used afterwards."""
+        if self.layout is not None and self.buffers:
+            self.layout.recycle(self.buffers)
 
 
 class PartialAllreduce:
@@ -156,6 +165,7 @@ class PartialAllreduce:
         self._closing = False
 
         self._initiators = random.Random(config.seed)
+        self._arrivals_seen: dict[int, int] = {}
         self._state = "new"  # new -> running -> flushed -> closed
         self._thread: Optional[threading.Thread] = None
         self._control: Optional[ControlPlane] = None
@@ -190,7 +200,9 @@ class PartialAllreduce:
                 dist.PrefixStore(prefix + "nccl", self._store), self.rank, self.world_size, options
             )
         else:
-            self._data_pg = self._header_pg
+            self._data_pg = dist.ProcessGroupGloo(
+                dist.PrefixStore(prefix + "gloo-data", self._store), self.rank, self.world_size, timeout
+            )
         if self._cuda_device is not None:  # pragma: no cover - needs GPUs
             self._stream = torch.cuda.Stream(device=self._cuda_device)
         self._snapshotted = self._step - 1
@@ -239,7 +251,13 @@ class PartialAllreduce:
             waiting = self._waiting_round
             self._cond.notify_all()
         thread = self._thread
-        if thread is not None and thread.is_alive() and waiting is not None and self._control is not None:
+        if (
+            thread is not None
+            and thread.is_alive()
+            and waiting is not None
+            and not self._known_sync(waiting)  # that wait is on self._cond, notified above
+            and self._control is not None
+        ):
             try:
                 self._control.wake(waiting)
             except Exception as err:  # the store may be gone with a dead rank
@@ -333,29 +351,51 @@ class PartialAllreduce:
                 else:
                     self._pending.append(deposit)
             self._step = q + 1
+            self._cond.notify_all()  # a synchronous round waits for this arrival only
+        arrived_at = time.monotonic()
 
         control = self._control
         assert control is not None
         initiator = self._initiators.randrange(self.world_size)  # advanced once per round on every rank
-        arrived = control.arrive(q)
-        needed = self.config.activation_count(self.world_size, flush or self.config.is_sync_round(q))
-        meets_rule = arrived == needed if needed is not None else initiator == self.rank
-        if meets_rule:
-            with self._cond:
-                self._activated_here.add(q)
-            control.meet_condition(q, self._conditions(q))
         s = self.config.max_staleness
-        if s is not None and arrived == self.world_size:
+        arrived = None
+        if flush and not self._known_sync(q):
+            # Our communication thread may be blocked in the store on round q: the
+            # flush makes q synchronous, so wake it (the other ranks flush at q too).
+            control.wake(q)
+        if not (flush or self._known_sync(q)):
+            arrived = control.arrive(q)
+            needed = self.config.activation_count(self.world_size, sync_round=False)
+            meets_rule = arrived == needed if needed is not None else initiator == self.rank
+            if meets_rule:
+                with self._cond:
+                    self._activated_here.add(q)
+                control.meet_condition(q, self._conditions(q))
+        elif s is not None:
+            arrived = control.arrive(q)  # only the staleness gate needs the count
+        if s is not None and arrived == self.world_size and not self._known_sync(q + s):
             # Everybody has arrived at q: the gate of round q + s opens.
             control.meet_condition(q + s, self._conditions(q + s))
+        self._arrivals_seen = {q: arrived if arrived is not None else "?"}
 
         result = self._wait_result(q)
         stats = dataclasses.replace(
             result.stats,
             wait_time=time.perf_counter() - started,
+            arrived_at=arrived_at,
             initiator=initiator if self.config.mode == "majority" and not result.stats.synchronous else None,
         )
         return dataclasses.replace(result, stats=stats)
+
+    def _known_sync(self, round_index: int) -> bool:
+        """Whether every rank knows in advance that ``round_index`` is synchronous.
+
+        Such a round needs no activation through the store: each communication
+        thread enters the collective as soon as its own rank has arrived, and the
+        collective itself waits for everybody. (The final flush is synchronous
+        too, but not known in advance: flush() wakes its own thread instead.)
+        """
+        return self.config.mode == "sync" or self.config.is_sync_round(round_index)
 
     def _conditions(self, round_index: int) -> int:
         """How many conditions activate ``round_index``: the mode's rule, plus the staleness gate."""
@@ -371,7 +411,8 @@ class PartialAllreduce:
                 if remaining <= 0:
                     raise PartialCollectiveTimeout(
                         f"round {q} did not complete within {self.config.timeout.total_seconds():g}s "
-                        f"(mode={self.config.mode}); is a rank dead or stalled?",
+                        f"(mode={self.config.mode}, {self._arrivals_seen.get(q, '?')} of {self.world_size} ranks "
+                        "had arrived at this step when this rank did); is a rank dead or stalled?",
                         rank=self.rank,
                         round_index=q,
                     )
@@ -410,9 +451,13 @@ class PartialAllreduce:
                     if self._closing:
                         return
                     self._waiting_round = r
-                began = time.perf_counter()
-                control.wait_activated(r, self.config.timeout)
-                activated = time.perf_counter()
+                began = time.monotonic()
+                synchronous = self._known_sync(r)
+                if synchronous:
+                    self._wait_own_arrival(r)
+                else:
+                    control.wait_activated(r, self.config.timeout)
+                activated = time.monotonic()
                 with self._cond:
                     if self._closing:
                         return
@@ -430,11 +475,12 @@ class PartialAllreduce:
                     row[self.rank, _PROGRESS] = self._step
                     row[self.rank, _DROPPED] = self._dropped
                     self._dropped = 0
-                result = self._reduce(r, row, deposits, activation_latency=activated - began)
+                result = self._reduce(r, row, deposits, began=began, activated=activated)
                 with self._cond:
                     self._results[r] = result
                     self._cond.notify_all()
-                control.collect(r)
+                if not synchronous:
+                    control.collect(r)
                 if result.stats.flush:
                     return
                 r += 1
@@ -448,12 +494,40 @@ class PartialAllreduce:
                 self._cond.notify_all()
             log.error("%s", err)
 
-    def _reduce(self, r: int, header: Tensor, deposits: list[_Deposit], *, activation_latency: float) -> RoundResult:
-        """Issues the round's two allreduces (header on gloo, data on the data group)."""
-        self._collective(self._header_pg, header, r, "header")
+    def _wait_own_arrival(self, r: int) -> None:
+        deadline = time.monotonic() + self.config.timeout.total_seconds()
+        with self._cond:
+            while self._step <= r and not self._closing:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PartialCollectiveTimeout(
+                        f"this rank did not arrive at synchronous round {r} within "
+                        f"{self.config.timeout.total_seconds():g}s",
+                        rank=self.rank,
+                        round_index=r,
+                    )
+                self._cond.wait(timeout=remaining)
+
+    def _reduce(self, r: int, header: Tensor, deposits: list[_Deposit], *, began: float, activated: float) -> RoundResult:
+        """Issues the round's allreduces: the header on the gloo group, the data on the data group.
+
+        Both are in flight at once (two groups, two gloo worker threads), so the
+        header adds little latency. In pure ``sync`` mode only the final flush
+        carries a header.
+        """
         flats = self._sum_deposits(deposits)
-        for flat in flats:
-            self._collective(self._data_pg, flat, r, "data")
+        works = []
+        if self.config.mode == "sync" and not header[self.rank, _FLUSH]:
+            # Pure sync mode: every rank contributed exactly its fresh gradient,
+            # so the header is known without a collective (a tiny allreduce costs
+            # as much latency as a large one on a loaded host).
+            header[:, _COUNT] = 1
+            header[:, _NEWEST] = header[:, _OLDEST] = header[:, _PROGRESS] = r + 1
+        else:
+            works.append((self._start(self._header_pg, header, r, "header"), "header"))
+        works += [(self._start(self._data_pg, flat, r, "data"), "data") for flat in flats]
+        for work, what in works:
+            self._finish(work, r, what)
 
         counts = header[:, _COUNT].tolist()
         newest = header[:, _NEWEST].tolist()
@@ -492,10 +566,11 @@ class PartialAllreduce:
             dropped=tuple(int(d) for d in header[:, _DROPPED].tolist()),
             contributions=total,
             divisor=divisor,
-            activation_latency=activation_latency,
+            activation_latency=activated - began,
+            activated_at=activated,
         )
         tensors = self.layout.unflatten(flats)
-        return RoundResult(round_index=r, tensors=tensors, stats=stats)
+        return RoundResult(round_index=r, tensors=tensors, stats=stats, buffers=flats, layout=self.layout)
 
     def _sum_deposits(self, deposits: list[_Deposit]) -> list[Tensor]:
         if not deposits:
@@ -505,6 +580,7 @@ class PartialAllreduce:
             for d in deposits[1:]:
                 for acc, f in zip(flats, d.flats):
                     acc.add_(f)
+                self.layout.recycle(d.flats)
             return flats
         with torch.cuda.stream(self._stream):  # pragma: no cover - needs GPUs
             for d in deposits:
@@ -518,27 +594,35 @@ class PartialAllreduce:
                     acc.add_(f)
             return flats
 
-    def _collective(self, pg: Any, tensor: Tensor, r: int, what: str) -> None:
-        timeout = self.config.timeout
+    def _start(self, pg: Any, tensor: Tensor, r: int, what: str) -> Any:
         try:
             if self._stream is not None and tensor.is_cuda:  # pragma: no cover - needs GPUs
                 with torch.cuda.stream(self._stream):
-                    work = pg.allreduce([tensor])
-                    work.wait(timeout)
-                return
-            work = pg.allreduce([tensor])
-            if not work.wait(timeout):
-                raise PartialCollectiveTimeout(
-                    f"{what} allreduce did not complete within {timeout.total_seconds():g}s",
-                    rank=self.rank,
-                    round_index=r,
-                )
-        except PartialCollectiveError:
-            raise
+                    return pg.allreduce([tensor])
+            return pg.allreduce([tensor])
         except Exception as err:
-            kind = PartialCollectiveTimeout if "timed out" in str(err).lower() or "timeout" in str(err).lower() else PartialCollectiveError
-            raise kind(
-                f"{what} allreduce failed ({type(err).__name__}: {err}); a peer rank probably died",
-                rank=self.rank,
-                round_index=r,
-            ) from err
+            raise self._collective_error(err, r, what) from err
+
+    def _finish(self, work: Any, r: int, what: str) -> None:
+        timeout = self.config.timeout
+        try:
+            if self._stream is not None:  # pragma: no cover - needs GPUs
+                with torch.cuda.stream(self._stream):
+                    completed = work.wait(timeout)  # orders the side stream after the collective
+            else:
+                completed = work.wait(timeout)
+        except Exception as err:
+            raise self._collective_error(err, r, what) from err
+        if completed is False:
+            raise PartialCollectiveTimeout(
+                f"{what} allreduce did not complete within {timeout.total_seconds():g}s", rank=self.rank, round_index=r
+            )
+
+    def _collective_error(self, err: Exception, r: int, what: str) -> PartialCollectiveError:
+        text = str(err).lower()
+        kind = PartialCollectiveTimeout if ("timed out" in text or "timeout" in text) else PartialCollectiveError
+        return kind(
+            f"{what} allreduce failed ({type(err).__name__}: {err}); a peer rank probably died or stalled",
+            rank=self.rank,
+            round_index=r,
+        )

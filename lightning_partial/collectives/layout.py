@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -49,6 +50,11 @@ class TensorLayout:
             )
             for (dtype, device), idx in groups.items()
         )
+        # Buffers handed back by RoundResult.release(), shared by the caller's
+        # and the communication thread.
+        self._free: list[list[Tensor]] = []
+        self._max_free = 4
+        self._lock = threading.Lock()
 
     def check(self, tensors: Sequence[Tensor], *, rank: int, round_index: int) -> None:
         """Raises ``ValueError`` if ``tensors`` do not match the layout."""
@@ -61,12 +67,26 @@ class TensorLayout:
             )
 
     def flatten(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        """Copies ``tensors`` into new flat buffers, one per bucket."""
-        # torch.cat always allocates: the caller may reuse its tensors at once.
-        return [torch.cat([tensors[i].detach().reshape(-1) for i in b.indices]) for b in self.buckets]
+        """Copies ``tensors`` into flat buffers, one per bucket (recycled ones if any)."""
+        out = self._take()
+        for buf, b in zip(out, self.buckets):
+            torch.cat([tensors[i].detach().reshape(-1) for i in b.indices], out=buf)
+        return out
 
     def zeros(self) -> list[Tensor]:
-        return [torch.zeros(b.numel, dtype=b.dtype, device=b.device) for b in self.buckets]
+        return [buf.zero_() for buf in self._take()]
+
+    def recycle(self, flats: list[Tensor]) -> None:
+        """Gives buffers back for reuse: fresh 4 MB buffers cost page faults every round."""
+        with self._lock:
+            if len(self._free) < self._max_free:
+                self._free.append(flats)
+
+    def _take(self) -> list[Tensor]:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return [torch.empty(b.numel, dtype=b.dtype, device=b.device) for b in self.buckets]
 
     def unflatten(self, flats: Sequence[Tensor]) -> list[Tensor]:
         """Views of ``flats`` shaped like the original tensors, in their order."""

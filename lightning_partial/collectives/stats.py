@@ -15,7 +15,8 @@ class RoundStats:
 
     Attributes:
         round_index: the round (= training step) these statistics describe.
-        activator: the rank whose arrival activated the round.
+        activator: the rank whose arrival activated the round; ``-1`` for a
+            synchronous round, which every rank's arrival activates.
         initiator: the round's initiator in ``"majority"`` mode, else ``None``.
         synchronous: the round waited for every rank (``sync`` mode, a
             ``sync_every`` round, or the final flush).
@@ -34,6 +35,9 @@ class RoundStats:
         activation_latency: seconds between this rank's communication thread
             starting to wait for the round and the round being activated,
             or ``0.0`` if it was already active.
+        activated_at: ``time.monotonic()`` on this rank when its communication
+            thread saw the activation (a system-wide clock on one machine: the
+            benchmarks compare it across ranks to measure activation latency).
     """
 
     round_index: int
@@ -51,6 +55,8 @@ class RoundStats:
     divisor: float
     wait_time: float = 0.0
     activation_latency: float = 0.0
+    activated_at: float = 0.0
+    arrived_at: Optional[float] = None
 
     @property
     def max_staleness(self) -> int:

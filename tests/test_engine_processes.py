@@ -1,0 +1,31 @@
+"""The engine across 4 real processes: dist.all_reduce equivalence, and a rank killed mid-run."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from distributed import run_processes
+from workers import killed_mid_run, sync_versus_all_reduce
+
+P = 4
+
+
+def test_sync_mode_equals_dist_all_reduce_in_processes():
+    reports, exitcodes, _ = run_processes(P, sync_versus_all_reduce, timeout=120)
+    assert exitcodes == {r: 0 for r in range(P)}, reports
+    assert all(reports[r] == ("ok", "equal") for r in range(P))
+
+
+@pytest.mark.parametrize("mode, victim", [("solo", 2), ("sync", 1), ("majority", 3)])
+def test_killed_rank_makes_the_others_raise(mode, victim):
+    """A SIGKILLed rank turns into an error naming rank and round on every other rank: no hang."""
+    reports, exitcodes, _ = run_processes(P, killed_mid_run, mode, victim, 20, timeout=90)
+    assert exitcodes[victim] == -signal.SIGKILL
+    survivors = [r for r in range(P) if r != victim]
+    assert all(exitcodes[r] is not None for r in survivors), f"hang: {exitcodes}"
+    for r in survivors:
+        status, message = reports[r]
+        assert status == "error", reports
+        assert f"rank {r}" in message and "round" in message, message

@@ -1,0 +1,56 @@
+"""Entry points of the ranks that the process-based tests spawn (importable by the children)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig
+
+
+def client(port: int, world_size: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timedelta(seconds=30))
+
+
+def sync_versus_all_reduce(rank: int, world_size: int, port: int) -> str:
+    """Engine in sync mode against dist.all_reduce on the default group, bit for bit."""
+    store = client(port, world_size)
+    dist.init_process_group("gloo", store=dist.PrefixStore("default", store), rank=rank, world_size=world_size)
+    try:
+        like = torch.zeros(4096)
+        cfg = PartialAllreduceConfig(mode="sync", normalize="sum", timeout=timedelta(seconds=30))
+        with PartialAllreduce(cfg, store=store, rank=rank, world_size=world_size, like=like) as engine:
+            engine.start()
+            for step in range(10):
+                g = torch.randn(4096, generator=torch.Generator().manual_seed(rank * 31 + step))
+                expected = g.clone()
+                dist.all_reduce(expected)
+                got = engine.arrive(g).tensors[0]
+                if not torch.equal(got, expected):
+                    raise AssertionError(f"rank {rank}, round {step}: differs from dist.all_reduce")
+            engine.flush()
+        return "equal"
+    finally:
+        dist.destroy_process_group()
+
+
+def killed_mid_run(rank: int, world_size: int, port: int, mode: str, victim: int, kill_at: int) -> str:
+    """Runs rounds; the victim SIGKILLs itself at ``kill_at``; the others must raise, not hang."""
+    store = client(port, world_size)
+    cfg = PartialAllreduceConfig(mode=mode, timeout=timedelta(seconds=5))
+    engine = PartialAllreduce(cfg, store=store, rank=rank, world_size=world_size, like=torch.zeros(10_000))
+    engine.start()
+    try:
+        for step in range(10_000):
+            if rank == victim and step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            engine.arrive(torch.ones(10_000))
+            time.sleep(0.001)  # straggler-free pacing so that the victim is still around at kill_at
+        return "completed"
+    finally:
+        engine.close(timeout=2)
