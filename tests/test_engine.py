@@ -479,3 +479,96 @@ class TestBadInput:
         with pytest.raises(EngineClosedError, match="call start"):
             e.arrive(torch.zeros(1))
         e.close()
+
+
+def test_released_buffers_are_reused_without_aliasing_kept_results():
+    """release() recycles memory; results that were not released are never overwritten."""
+
+    def fn(rank, store):
+        like = torch.zeros(3, dtype=torch.float64)
+        with PartialAllreduce(config(mode="solo", normalize="sum"), store=store, rank=rank, world_size=P, like=like) as e:
+            e.start()
+            kept = [e.arrive(torch.full((3,), float(step), dtype=torch.float64)) for step in range(5)]
+            snapshot = [r.tensors[0].clone() for r in kept]
+            for step in range(5, 40):
+                r = e.arrive(torch.full((3,), float(step), dtype=torch.float64))
+                r.release()
+                r.release()  # idempotent: the buffer is pooled once
+            e.flush().release()
+            for r, before in zip(kept, snapshot):
+                assert torch.equal(r.tensors[0], before)
+            return [r.tensors[0].clone() for r in kept]
+
+    per_rank = run_threads(P, fn)
+    assert all(torch.equal(a, b) for other in per_rank[1:] for a, b in zip(per_rank[0], other))
+
+
+@pytest.mark.parametrize("mode", ["solo", "sync"])
+def test_resume_with_max_staleness_and_store_cleanup(mode):
+    """A run resumed at step k does not wait for gates of steps before k; no key survives the flush."""
+    like = torch.zeros(1)
+    def fn(rank, store):
+        e = PartialAllreduce(config(mode=mode, max_staleness=2, normalize="sum"), store=store, rank=rank, world_size=P, like=like)
+        e.load_state_dict({**e.state_dict(), "step": 10})
+        e.start()
+        results = [e.arrive(torch.ones(1)) for _ in range(30)]
+        results.append(e.flush())
+        e.close()
+        return [r.round_index for r in results], sum(r.tensors[0].item() for r in results)
+
+    per_rank = run_threads(P, fn)
+    assert per_rank[0][0] == list(range(10, 41))
+    assert all(total == P * 30 for _, total in per_rank)
+
+
+def test_no_round_key_survives_the_flush():
+    """After flush and close, no arrival, gate or activation key of any round is left in the store."""
+    configs = {
+        "a": dict(mode="solo", max_staleness=2),
+        "b": dict(mode="majority", max_staleness=3),
+        "c": dict(mode="sync", max_staleness=1),
+        "d": dict(mode="quorum", quorum=2),
+        "e": dict(mode="solo", sync_every=3, max_staleness=1),
+    }
+    steps = 25
+    all_closed = threading.Barrier(P)
+
+    def fn(rank, store):
+        for name, kw in configs.items():
+            e = PartialAllreduce(config(name=name, **kw), store=store, rank=rank, world_size=P, like=torch.zeros(1))
+            e.start()
+            for _ in range(steps):
+                e.arrive(torch.ones(1))
+            e.flush()
+            e.close()
+        all_closed.wait(timeout=30)
+        left = []
+        if rank == 0:
+            for name in configs:
+                ctl = dist.PrefixStore(f"lightning_partial/{name}/ctl", store)
+                for r in range(steps + 6):
+                    for key in [f"n/{r}", f"g/{r}"] + [f"go/{r}/{i}" for i in range(P)]:
+                        if ctl.check([key]):
+                            left.append(f"{name}: {key}")
+        return left
+
+    assert run_threads(P, fn)[0] == []
+
+
+def test_close_wakes_a_caller_blocked_in_arrive():
+    def fn(rank, store):
+        e = PartialAllreduce(config(mode="sync", timeout=timedelta(seconds=20)), store=store, rank=rank, world_size=P, like=torch.zeros(1))
+        e.start()
+        if rank != 0:
+            time.sleep(0.5)  # straggler delay: rank 0 is then blocked in arrive, waiting for them
+            e.close()
+            return "closed"
+        closer = threading.Timer(0.2, e.close)
+        closer.start()
+        t0 = time.monotonic()
+        with pytest.raises(EngineClosedError, match="rank 0"):
+            e.arrive(torch.ones(1))
+        closer.join()
+        return time.monotonic() - t0 < 10
+
+    assert run_threads(P, fn) == [True, "closed", "closed", "closed"]

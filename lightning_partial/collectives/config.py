@@ -46,8 +46,6 @@ class PartialAllreduceConfig:
             A wait that exceeds it raises :class:`PartialCollectiveTimeout` naming
             the rank and the round. Keep it above the longest pause in arrivals
             (a validation loop, a checkpoint) of the job.
-        poll_interval: how often a blocked communication thread wakes up to check
-            for ``close()``; bounds the latency of ``close()``, not of activation.
         name: prefix of the engine's store keys and process group; engines that
             share a store must have distinct names.
     """
@@ -60,7 +58,6 @@ class PartialAllreduceConfig:
     max_staleness: Optional[int] = None
     seed: int = 0
     timeout: timedelta = timedelta(minutes=30)
-    poll_interval: timedelta = timedelta(milliseconds=200)
     name: str = "partial"
 
     def __post_init__(self) -> None:
@@ -87,10 +84,8 @@ class PartialAllreduceConfig:
             raise ValueError(f"max_staleness must be an integer >= 0 or None, got {self.max_staleness!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        for field in ("timeout", "poll_interval"):
-            value = getattr(self, field)
-            if not isinstance(value, timedelta) or value.total_seconds() <= 0:
-                raise ValueError(f"{field} must be a positive datetime.timedelta, got {value!r}")
+        if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout must be a positive datetime.timedelta, got {self.timeout!r}")
         if not self.name or "/" in self.name:
             raise ValueError(f"name must be a non-empty string without '/', got {self.name!r}")
 

@@ -40,7 +40,7 @@ class ControlPlane:
     """Arrival counters and activation keys of one engine, on one rank."""
 
     def __init__(self, store: dist.Store, *, name: str, rank: int, world_size: int, timeout: timedelta) -> None:
-        prefix = f"lightning_partial/{name}/ctl/"
+        prefix = f"lightning_partial/{name}/ctl"  # PrefixStore adds the "/"
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
@@ -87,15 +87,32 @@ class ControlPlane:
         )
 
     def wake(self, round_index: int) -> None:
-        """Unblocks this rank's communication thread waiting on ``round_index`` (used by close)."""
-        self.main.set(f"go/{round_index}/{self.rank}", "closed")
+        """Unblocks this rank's communication thread waiting on ``round_index`` (flush, close)."""
+        key = f"go/{round_index}/{self.rank}"
+        self._call(lambda: self.main.set(key, "woken"), round_index, "wake the communication thread")
 
-    def collect(self, round_index: int) -> None:
+    def collect(self, round_index: int, *, activated_through_store: bool) -> None:
         """Deletes this rank's activation key of a completed round and any discarded keys."""
         with self._garbage_lock:
             garbage, self._garbage = self._garbage, []
-        for key in [f"go/{round_index}/{self.rank}", *garbage]:
+        if activated_through_store:
+            garbage.insert(0, f"go/{round_index}/{self.rank}")
+        for key in garbage:
             self._call(lambda key=key: self.comm.delete_key(key), round_index, "delete old keys")
+
+    def finish(self, flush_round: int, max_staleness: int | None) -> None:
+        """After the flush, on the caller's thread: deletes what no later round will.
+
+        Gates opened by the last ``s`` steps and the flush (``g/F .. g/F+s``) belong
+        to rounds that never run; rank 0 deletes them. Every rank deletes the keys
+        it discarded after its communication thread's last collection.
+        """
+        with self._garbage_lock:
+            garbage, self._garbage = self._garbage, []
+        if self.rank == 0 and max_staleness is not None:
+            garbage += [f"g/{r}" for r in range(flush_round, flush_round + max_staleness + 1)]
+        for key in garbage:
+            self._call(lambda key=key: self.main.delete_key(key), flush_round, "delete old keys")
 
     def _call(self, fn, round_index: int, what: str):  # type: ignore[no-untyped-def]
         try:

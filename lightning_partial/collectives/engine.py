@@ -25,6 +25,7 @@ receives the result of round ``r`` whether its own gradient made it in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import random
@@ -66,7 +67,7 @@ class _Deposit:
     ready: Optional[torch.cuda.Event] = None  # recorded on the producer's stream
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RoundResult:
     """The result of one round, identical on every rank.
 
@@ -83,9 +84,14 @@ class RoundResult:
     layout: Optional[TensorLayout] = dataclasses.field(default=None, repr=False, compare=False)
 
     def release(self) -> None:
-        """Hands the buffers back to the engine; ``tensors`` must not be used afterwards."""
+        """Hands the buffers back to the engine; ``tensors`` must not be used afterwards.
+
+        Idempotent: a second call does nothing (a buffer is never pooled twice).
+        """
         if self.layout is not None and self.buffers:
-            self.layout.recycle(self.buffers)
+            buffers = list(self.buffers)
+            self.buffers.clear()
+            self.layout.recycle(buffers)
 
 
 class PartialAllreduce:
@@ -166,6 +172,7 @@ class PartialAllreduce:
 
         self._initiators = random.Random(config.seed)
         self._arrivals_seen: dict[int, int] = {}
+        self._first_round = 0
         self._state = "new"  # new -> running -> flushed -> closed
         self._thread: Optional[threading.Thread] = None
         self._control: Optional[ControlPlane] = None
@@ -206,6 +213,7 @@ class PartialAllreduce:
         if self._cuda_device is not None:  # pragma: no cover - needs GPUs
             self._stream = torch.cuda.Stream(device=self._cuda_device)
         self._snapshotted = self._step - 1
+        self._first_round = self._step  # a resumed run has no arrivals before it
         self._state = "running"
         self._thread = threading.Thread(
             target=self._run, name=f"lightning_partial-{name}-rank{self.rank}", daemon=True
@@ -235,8 +243,9 @@ class PartialAllreduce:
             self._flush_round = self._step
         result = self._arrive(None if tensors is None else self._as_list(tensors), flush=True)
         self._state = "flushed"
-        assert self._thread is not None
+        assert self._thread is not None and self._control is not None
         self._thread.join(timeout=self.config.timeout.total_seconds())
+        self._control.finish(result.round_index, self.config.max_staleness)
         return result
 
     def close(self, timeout: float = 10.0) -> None:
@@ -306,10 +315,11 @@ class PartialAllreduce:
         pending = []
         for flats, step in zip(state["pending"], state["pending_steps"]):
             if len(flats) != len(self.layout.buckets) or any(
-                f.numel() != b.numel or f.dtype != b.dtype for f, b in zip(flats, self.layout.buckets)
+                f.dim() != 1 or f.numel() != b.numel or f.dtype != b.dtype for f, b in zip(flats, self.layout.buckets)
             ):
                 raise ValueError(f"rank {self.rank}: the checkpoint's pending gradients do not match the layout")
-            pending.append(_Deposit([f.to(b.device) for f, b in zip(flats, self.layout.buckets)], int(step)))
+            # A copy: the buffer becomes a send buffer, reduced in place.
+            pending.append(_Deposit([f.to(b.device, copy=True) for f, b in zip(flats, self.layout.buckets)], int(step)))
         self._step = int(state["step"])
         self._initiators.setstate(state["initiator_rng"])
         self._pending = pending
@@ -358,24 +368,26 @@ class PartialAllreduce:
         assert control is not None
         initiator = self._initiators.randrange(self.world_size)  # advanced once per round on every rank
         s = self.config.max_staleness
-        arrived = None
-        if flush and not self._known_sync(q):
-            # Our communication thread may be blocked in the store on round q: the
-            # flush makes q synchronous, so wake it (the other ranks flush at q too).
-            control.wake(q)
-        if not (flush or self._known_sync(q)):
-            arrived = control.arrive(q)
+        synchronous = flush or self._known_sync(q)
+        # Only a round activated through the store, or a staleness gate that a
+        # later round activated through the store waits on, needs the count.
+        gate = s is not None and not self._known_sync(q + s)
+        arrived = control.arrive(q) if (not synchronous or gate) else None
+        if not synchronous:
             needed = self.config.activation_count(self.world_size, sync_round=False)
             meets_rule = arrived == needed if needed is not None else initiator == self.rank
             if meets_rule:
                 with self._cond:
                     self._activated_here.add(q)
                 control.meet_condition(q, self._conditions(q))
-        elif s is not None:
-            arrived = control.arrive(q)  # only the staleness gate needs the count
-        if s is not None and arrived == self.world_size and not self._known_sync(q + s):
+        if gate and arrived == self.world_size:
             # Everybody has arrived at q: the gate of round q + s opens.
             control.meet_condition(q + s, self._conditions(q + s))
+        if flush and not self._known_sync(q):
+            # Our communication thread may be blocked in the store on round q: the
+            # flush makes q synchronous, so wake it (the other ranks flush at q too).
+            # After the counting above, so that the thread's last collection sees it.
+            control.wake(q)
         self._arrivals_seen = {q: arrived if arrived is not None else "?"}
 
         result = self._wait_result(q)
@@ -400,13 +412,15 @@ class PartialAllreduce:
     def _conditions(self, round_index: int) -> int:
         """How many conditions activate ``round_index``: the mode's rule, plus the staleness gate."""
         s = self.config.max_staleness
-        return 2 if s is not None and round_index - s >= 0 else 1
+        return 2 if s is not None and round_index - s >= self._first_round else 1
 
     def _wait_result(self, q: int) -> RoundResult:
         deadline = time.monotonic() + self.config.timeout.total_seconds()
         with self._cond:
             while q not in self._results:
                 self._raise_if_failed(q)
+                if self._closing:
+                    raise EngineClosedError(f"close() was called while waiting for round {q}", rank=self.rank, round_index=q)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise PartialCollectiveTimeout(
@@ -479,8 +493,7 @@ class PartialAllreduce:
                 with self._cond:
                     self._results[r] = result
                     self._cond.notify_all()
-                if not synchronous:
-                    control.collect(r)
+                control.collect(r, activated_through_store=not synchronous)
                 if result.stats.flush:
                     return
                 r += 1
@@ -545,8 +558,9 @@ class PartialAllreduce:
         normalize = self.config.normalize
         divisor = float(self.world_size if normalize == "world" else max(total, 1) if normalize == "contributors" else 1)
         if divisor != 1.0:
-            for flat in flats:
-                flat.div_(divisor)
+            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+                for flat in flats:
+                    flat.div_(divisor)
         if self._stream is not None:  # pragma: no cover - needs GPUs
             event = torch.cuda.Event()
             event.record(self._stream)
@@ -573,9 +587,10 @@ class PartialAllreduce:
         return RoundResult(round_index=r, tensors=tensors, stats=stats, buffers=flats, layout=self.layout)
 
     def _sum_deposits(self, deposits: list[_Deposit]) -> list[Tensor]:
-        if not deposits:
-            return self.layout.zeros()
+        """The send buffer of a round: the sum of the deposits, or zeros (side stream on CUDA)."""
         if self._stream is None:
+            if not deposits:
+                return self.layout.zeros()
             flats = deposits[0].flats
             for d in deposits[1:]:
                 for acc, f in zip(flats, d.flats):
@@ -583,6 +598,9 @@ class PartialAllreduce:
                 self.layout.recycle(d.flats)
             return flats
         with torch.cuda.stream(self._stream):  # pragma: no cover - needs GPUs
+            if not deposits:
+                # Allocated and zeroed on the side stream, the one the collective follows.
+                return [torch.zeros(b.numel, dtype=b.dtype, device=b.device) for b in self.layout.buckets]
             for d in deposits:
                 if d.ready is not None:
                     self._stream.wait_event(d.ready)

@@ -77,7 +77,13 @@ class TensorLayout:
         return [buf.zero_() for buf in self._take()]
 
     def recycle(self, flats: list[Tensor]) -> None:
-        """Gives buffers back for reuse: fresh 4 MB buffers cost page faults every round."""
+        """Gives buffers back for reuse: fresh 4 MB buffers cost page faults every round.
+
+        Host buffers only: a CUDA buffer may still be read by a stream the pool
+        cannot see, and the caching allocator already recycles device memory.
+        """
+        if any(f.is_cuda for f in flats):
+            return
         with self._lock:
             if len(self._free) < self._max_free:
                 self._free.append(flats)
