@@ -18,8 +18,8 @@ One invocation, 4 CPU ranks (processes, gloo over loopback), three measurements:
 
 Usage::
 
-    python benchmarks/engine.py                 # writes benchmarks/results/engine.json
-    python benchmarks/engine.py --rounds 100    # more rounds
+    python benchmarks/engine.py                 # 3 runs (~2 min); writes benchmarks/results/engine.json
+    python benchmarks/engine.py --repeat 1      # one run
 """
 
 from __future__ import annotations
@@ -123,28 +123,73 @@ def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else float("nan")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--mbytes", type=int, default=4, help="buffer size in MB (float32)")
-    parser.add_argument("--rounds", type=int, default=60)
-    parser.add_argument("--blocks", type=int, default=3, help="alternating blocks for the overhead comparison")
-    parser.add_argument("--compute-ms", type=float, default=30.0)
-    parser.add_argument("--delay-ms", type=float, default=60.0)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "engine.json")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-
+def _run_once(args: argparse.Namespace) -> dict:
+    """One full measurement: 4 processes, the three parts above."""
     store = dist.TCPStore("127.0.0.1", 0, args.world, True, timeout=TIMEOUT, wait_for_workers=False)
     manager = mp.Manager()
     out = manager.dict()
     mp.start_processes(_worker, args=(args.world, store.port, args, out), nprocs=args.world, start_method="spawn")
     ranks = [out[r] for r in range(args.world)]
+    manager.shutdown()
+    return _summarise(args, ranks)
 
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--mbytes", type=int, default=4, help="buffer size in MB (float32)")
+    parser.add_argument("--rounds", type=int, default=90)
+    parser.add_argument("--blocks", type=int, default=6, help="alternating blocks for the overhead comparison")
+    parser.add_argument("--compute-ms", type=float, default=30.0)
+    parser.add_argument("--delay-ms", type=float, default=60.0)
+    parser.add_argument("--repeat", type=int, default=3, help="independent runs; the table shows medians and ranges")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "engine.json")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    runs = [_run_once(args) for _ in range(args.repeat)]
+    keys = [k for k, v in runs[0].items() if isinstance(v, float) and k not in ("compute_ms", "delay_ms", "mbytes")]
+    summary = {
+        "median": {k: statistics.median(r[k] for r in runs) for k in keys},
+        "min": {k: min(r[k] for r in runs) for k in keys},
+        "max": {k: max(r[k] for r in runs) for k in keys},
+        "runs": runs,
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    med, lo, hi = summary["median"], summary["min"], summary["max"]
+
+    def cell(key: str, fmt: str) -> str:
+        return f"{med[key]:{fmt}} [{lo[key]:{fmt}}-{hi[key]:{fmt}}]"
+
+    rows = [
+        ("4 MB allreduce, plain dist.all_reduce (ms)", cell("allreduce_ms", ".2f"), ""),
+        ("4 MB allreduce, engine sync mode (ms)", cell("sync_engine_ms", ".2f"), ""),
+        ("  ratio engine / plain", cell("sync_overhead_ratio", ".3f"), "goal <= 1.10"),
+        ("step, balanced, solo (ms)", cell("balanced_step_ms", ".1f"), ""),
+        ("fast ranks' step, 1 straggler/step, solo (ms)", cell("solo_fast_step_ms", ".1f"), ""),
+        ("  ratio to balanced", cell("solo_fast_ratio", ".3f"), "goal <= 1.2"),
+        ("fast ranks' step, 1 straggler/step, sync (ms)", cell("sync_fast_step_ms", ".1f"), ""),
+        ("  ratio to balanced", cell("sync_fast_ratio", ".3f"), "for contrast"),
+        ("activation latency, median (ms)", cell("activation_latency_median_ms", ".2f"), "goal ~1"),
+        ("activation latency, p90 (ms)", cell("activation_latency_p90_ms", ".2f"), ""),
+        ("store keys after all parts", cell("store_keys_after", ".0f"), ""),
+    ]
+    width = max(len(r[0]) for r in rows)
+    log.info("median [min-max] of %d runs, %d ranks, %d rounds", args.repeat, args.world, args.rounds)
+    for name, value, note in rows:
+        log.info("%s  %-26s %s", name.ljust(width), value, note)
+    log.info("wrote %s", args.out)
+    return summary
+
+
+def _summarise(args: argparse.Namespace, ranks: list[dict]) -> dict:
     # 1. overhead: per-round medians over all ranks' rounds
     plain = _median([t for r in ranks for t in r["overhead"]["plain"]])
     ours = _median([t for r in ranks for t in r["overhead"]["engine"]])
-    # 2. solo under a straggler
+    # 2. solo under a straggler: mean step time of the ranks not delayed in that step
     balanced = _mean([t for r in ranks for t in r["solo_balanced"]["fast"]])
     solo_fast = _mean([t for r in ranks for t in r["solo_straggler"]["fast"]])
     sync_fast = _mean([t for r in ranks for t in r["sync_straggler"]["fast"]])
@@ -156,9 +201,9 @@ def main(argv: list[str] | None = None) -> dict:
         a = run[0]["activator"][i]
         t = run[a]["arrived"][i]
         latencies += [run[k]["activated"][i] - t for k in range(args.world) if run[k]["arrived"][i] > t]
-    summary = {
+    return {
         "world": args.world,
-        "mbytes": args.mbytes,
+        "mbytes": float(args.mbytes),
         "rounds": args.rounds,
         "compute_ms": args.compute_ms,
         "delay_ms": args.delay_ms,
@@ -171,27 +216,9 @@ def main(argv: list[str] | None = None) -> dict:
         "sync_fast_step_ms": sync_fast * 1e3,
         "sync_fast_ratio": sync_fast / balanced,
         "activation_latency_median_ms": _median(latencies) * 1e3,
-        "activation_latency_p90_ms": sorted(latencies)[int(0.9 * len(latencies))] * 1e3 if latencies else None,
-        "store_keys_after": ranks[0]["store_keys"],
-        "torch": torch.__version__,
-        "cpus": os.cpu_count(),
+        "activation_latency_p90_ms": sorted(latencies)[int(0.9 * len(latencies))] * 1e3 if latencies else float("nan"),
+        "store_keys_after": float(ranks[0]["store_keys"]),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
-    rows = [
-        ("4 MB allreduce, plain dist.all_reduce", f"{summary['allreduce_ms']:.2f} ms", ""),
-        ("4 MB allreduce, engine sync mode", f"{summary['sync_engine_ms']:.2f} ms", f"{summary['sync_overhead_ratio']:.3f}x (goal <= 1.10x)"),
-        ("step, balanced (solo)", f"{summary['balanced_step_ms']:.1f} ms", ""),
-        ("fast ranks' step, 1 straggler/step, solo", f"{summary['solo_fast_step_ms']:.1f} ms", f"{summary['solo_fast_ratio']:.3f}x (goal <= 1.2x)"),
-        ("fast ranks' step, 1 straggler/step, sync", f"{summary['sync_fast_step_ms']:.1f} ms", f"{summary['sync_fast_ratio']:.3f}x (for contrast)"),
-        ("activation latency, median / p90", f"{summary['activation_latency_median_ms']:.2f} / {summary['activation_latency_p90_ms']:.2f} ms", ""),
-        ("store keys after all runs", str(summary["store_keys_after"]), ""),
-    ]
-    width = max(len(r[0]) for r in rows)
-    for name, value, note in rows:
-        log.info("%s  %12s  %s", name.ljust(width), value, note)
-    log.info("wrote %s", args.out)
-    return summary
 
 
 if __name__ == "__main__":

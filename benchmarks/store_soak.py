@@ -61,11 +61,16 @@ def main(argv: list[str] | None = None) -> dict:
                         }
                     )
                     log.info("%s", samples[-1])
+                    write(samples)  # a partial run still leaves its numbers
             e.flush()
             e.close()
         except BaseException as err:  # noqa: BLE001
             errors.append(err)
             raise
+
+    def write(done: list[dict]) -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"rounds": args.rounds, "world": args.world, "samples": done}, indent=2) + "\n")
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(args.world)]
     for t in threads:
@@ -74,11 +79,9 @@ def main(argv: list[str] | None = None) -> dict:
         t.join()
     if errors:
         raise errors[0]
-    summary = {"rounds": args.rounds, "world": args.world, "samples": samples}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    write(samples)
     log.info("wrote %s", args.out)
-    return summary
+    return {"rounds": args.rounds, "world": args.world, "samples": samples}
 
 
 if __name__ == "__main__":
