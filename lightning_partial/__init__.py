@@ -9,9 +9,14 @@ from lightning_partial.collectives import (
     RoundStats,
 )
 
+from lightning_partial.strategies import EagerSGDStrategy, register_strategies
+
 __version__ = "0.1.0"
 
+register_strategies()  # "eager_sgd", "eager_sgd_majority" and their spawn variants; idempotent
+
 __all__ = [
+    "EagerSGDStrategy",
     "PartialAllreduce",
     "PartialAllreduceConfig",
     "PartialCollectiveError",

@@ -1,0 +1,52 @@
+"""Every private Lightning API this package touches, in one place.
+
+Lightning's strategies are built from private helpers (launchers, process-group
+set-up, module-state sync). Importing them here, and only here, means a
+Lightning upgrade that moves one breaks one file, with a clear error.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from lightning.fabric.utilities.distributed import (  # noqa: F401 - re-exported
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group  # noqa: F401
+from lightning.fabric.utilities.optimizer import _optimizers_to_device  # noqa: F401
+from lightning.fabric.utilities.seed import reset_seed  # noqa: F401
+from lightning.pytorch.overrides.distributed import _sync_module_states  # noqa: F401
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher  # noqa: F401
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+log = logging.getLogger(__name__)
+
+
+def replace_sigterm_broadcast(trainer: object, stop_requested: Callable[[], bool]) -> bool:
+    """Replaces Lightning's per-batch SIGTERM broadcast with a non-blocking check.
+
+    Lightning 2.6's training loop calls ``_broadcast_sigterm_tensor`` at the start
+    of every batch: a ``dist.broadcast`` from rank 0, i.e. a global synchronisation
+    per step that makes every fast rank wait for rank 0 (Lightning #20825,
+    #21487). Our strategies exist to avoid exactly that. The replacement asks
+    ``stop_requested()`` (a store look-up, no collective) and raises
+    ``SIGTERMException`` on every rank once any rank received SIGTERM.
+
+    Returns whether the method was found and replaced (``False`` on a Lightning
+    without it, where there is nothing to replace).
+    """
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    if loop is None or not hasattr(loop, "_broadcast_sigterm_tensor"):
+        log.debug("no _broadcast_sigterm_tensor on this Lightning: nothing to replace")
+        return False
+
+    def _nonblocking_sigterm_check() -> None:
+        if stop_requested():
+            raise SIGTERMException()
+
+    loop._broadcast_sigterm_tensor = _nonblocking_sigterm_check  # type: ignore[attr-defined]
+    return True

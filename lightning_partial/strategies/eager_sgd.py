@@ -1,0 +1,347 @@
+"""EagerSGDStrategy: data-parallel training over the partial-collective engine.
+
+Contract (threads and collectives):
+
+* Set-up (every rank, main thread, default group): the process group is
+  initialised as in ``DDPStrategy``; rank 0's parameters and buffers are
+  broadcast once; a dedicated ``TCPStore`` is created (its address broadcast
+  once); one :class:`~lightning_partial.collectives.PartialAllreduce` per
+  optimizer starts its communication thread.
+* Each optimizer step (main thread): after the closure's backward and before
+  gradient clipping and ``optimizer.step``, the gradients of the optimizer's
+  parameters are handed to the engine (``arrive``); the round's result replaces
+  them. No collective runs on the default group per step: the engine's
+  communication thread issues the round's allreduces on the engine's groups,
+  and Lightning's per-batch SIGTERM broadcast is replaced by a store look-up.
+* End of fit (main thread): ``flush()`` runs the final synchronous round on
+  every engine; its result (carried gradients) is applied with one more
+  optimizer step, so nothing computed is lost and all replicas end identical.
+* Validation, test and predict never touch the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_partial import _compat
+from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundStats, create_store
+
+log = logging.getLogger(__name__)
+
+
+class EagerSGDStrategy(ParallelStrategy):
+    """Eager-SGD: gradients averaged by partial allreduce (solo, majority, quorum, sync).
+
+    Args:
+        mode, quorum, late, normalize, sync_every, max_staleness, seed: the
+            engine's :class:`~lightning_partial.collectives.PartialAllreduceConfig`
+            (validated here; the checks that need the world size run at set-up).
+        timeout: bound on every wait of the engine and on process-group set-up.
+        process_group_backend: default ``"nccl"`` on CUDA, ``"gloo"`` otherwise.
+        start_method: ``"popen"`` (scripts, torchrun, SLURM) or ``"spawn"``.
+
+    The strategy object holds no thread and no group until ``setup``: it can be
+    pickled (``"eager_sgd_spawn"``).
+    """
+
+    def __init__(
+        self,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        *,
+        mode: str = "solo",
+        quorum: Optional[int] = None,
+        late: str = "carry",
+        normalize: str = "world",
+        sync_every: Optional[int] = None,
+        max_staleness: Optional[int] = None,
+        seed: int = 0,
+        timeout: timedelta = timedelta(minutes=30),
+        process_group_backend: Optional[str] = None,
+        start_method: Literal["popen", "spawn"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if start_method not in ("popen", "spawn"):
+            raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
+        self.partial_config = PartialAllreduceConfig(
+            mode=mode,  # type: ignore[arg-type]
+            quorum=quorum,
+            late=late,  # type: ignore[arg-type]
+            normalize=normalize,  # type: ignore[arg-type]
+            sync_every=sync_every,
+            max_staleness=max_staleness,
+            seed=seed,
+            timeout=timeout,
+            name="eager_sgd",
+        )
+        self._num_nodes = 1
+        self._timeout = timeout
+        self._process_group_backend = process_group_backend
+        self._start_method = start_method
+        # Created in setup(), never in __init__: the strategy must stay picklable.
+        self._engines: dict[int, PartialAllreduce] = {}
+        self._params: dict[int, list[torch.nn.Parameter]] = {}
+        self._store: Optional[dist.Store] = None
+        self._stop_store: Optional[dist.Store] = None
+        self._stop_announced = False
+        self.last_round_stats: Optional[RoundStats] = None
+
+    # ------------------------------------------------------------ topology
+    @property
+    def is_distributed(self) -> bool:
+        """Read by Lightning's accelerator connector: inject a ``DistributedSampler`` as under DDP."""
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _compat._SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _compat._MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.setup_distributed()
+
+    def setup_distributed(self) -> None:
+        _compat.reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = (
+            self._process_group_backend or _compat._get_default_process_group_backend_for_device(self.root_device)
+        )
+        assert self.cluster_environment is not None
+        _compat._init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # --------------------------------------------------------------- set-up
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
+            # The GradScaler skips a step on a rank whose *local* gradients overflow:
+            # with partial averaging ranks would then apply different updates.
+            raise ValueError(
+                "EagerSGDStrategy does not support precision='16-mixed' (its gradient scaler decides per rank "
+                "whether to skip a step, which would make the replicas diverge): use '32-true', 'bf16-mixed' "
+                "or 'bf16-true'"
+            )
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        # Identical initial weights: one broadcast from rank 0 at set-up, never per step.
+        _compat._sync_module_states(self.model)
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _compat._optimizers_to_device(self.optimizers, self.root_device)
+            self._start_engines(trainer)
+
+    def _start_engines(self, trainer: "pl.Trainer") -> None:
+        self.partial_config.validate_world(self.world_size)
+        self._store = create_store(timeout=self._timeout)
+        self._stop_store = dist.PrefixStore("lightning_partial/stop", self._store.clone())
+        for index, optimizer in enumerate(self.optimizers):
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+            if not params:
+                continue
+            engine = PartialAllreduce(
+                replace(self.partial_config, name=f"eager_sgd-{index}"),
+                store=self._store,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                like=params,
+            )
+            self._engines[index] = engine.start()
+            self._params[index] = params
+        _compat.replace_sigterm_broadcast(trainer, self._stop_requested)
+
+    def _stop_requested(self) -> bool:
+        """Non-blocking SIGTERM agreement: one store look-up, no collective."""
+        assert self._stop_store is not None and self.lightning_module is not None
+        if self.lightning_module.trainer.received_sigterm and not self._stop_announced:
+            self._stop_store.set("sigterm", str(self.global_rank))
+            self._stop_announced = True
+        return self._stop_store.check(["sigterm"])
+
+    # ------------------------------------------------------------- training
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Runs the closure, synchronises the gradients, then clipping and the step."""
+        index = self._optimizer_index(optimizer)
+
+        def closure_then_sync() -> Any:
+            result = closure()
+            if index in self._engines:
+                self._synchronise(index)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+
+    def _optimizer_index(self, optimizer: Optimizer) -> int:
+        inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        for i, opt in enumerate(self.optimizers):
+            if opt is inner or opt is optimizer:
+                return i
+        raise ValueError("optimizer_step() got an optimizer that the strategy did not set up")
+
+    def _synchronise(self, index: int) -> None:
+        params = self._params[index]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        result = self._engines[index].arrive(grads)
+        for p, g in zip(params, result.tensors):
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+        result.release()
+        self.last_round_stats = result.stats
+
+    @override
+    def on_train_end(self) -> None:
+        """The final flush: carried gradients are applied, replicas end identical."""
+        for index, engine in list(self._engines.items()):
+            result = engine.flush()
+            self.last_round_stats = result.stats
+            if result.stats.contributions:
+                optimizer = self.optimizers[index]
+                for p, g in zip(self._params[index], result.tensors):
+                    p.grad = g.clone()
+                optimizer.step()
+                optimizer.zero_grad()
+            result.release()
+        self._close_engines()
+
+    def _close_engines(self) -> None:
+        for engine in self._engines.values():
+            engine.close()
+        self._engines.clear()
+        self._params.clear()
+
+    # ---------------------------------------------------------- collectives
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _compat._distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _compat._distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_compat._group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        self._close_engines()
+        super().teardown()
+
+    # -------------------------------------------------------------- registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        entries = (
+            ("eager_sgd", "solo", "popen"),
+            ("eager_sgd_spawn", "solo", "spawn"),
+            ("eager_sgd_majority", "majority", "popen"),
+            ("eager_sgd_majority_spawn", "majority", "spawn"),
+        )
+        for name, mode, start_method in entries:
+            if name in strategy_registry:  # idempotent: importing twice is fine
+                continue
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"eager-SGD with partial allreduce, mode '{mode}', start_method '{start_method}'",
+                mode=mode,
+                start_method=start_method,
+            )
