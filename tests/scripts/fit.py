@@ -27,6 +27,7 @@ class Regressor(L.LightningModule):
         self.straggle_ms = straggle_ms
         self.chooser = random.Random(7)  # same seed on every rank: every rank draws the same straggler
         self.world = world
+        self.pid_dir: Path | None = None
 
     def training_step(self, batch, batch_idx):
         straggler = self.chooser.randrange(self.world)
@@ -36,6 +37,11 @@ class Regressor(L.LightningModule):
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss)
         return loss
+
+    def on_train_start(self) -> None:
+        if self.pid_dir is not None:  # lets a test signal a given rank
+            self.pid_dir.mkdir(parents=True, exist_ok=True)
+            (self.pid_dir / f"rank{self.global_rank}.pid").write_text(str(os.getpid()))
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -56,6 +62,7 @@ def main() -> None:
     y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(2048, 1, generator=g)
     loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
     model = Regressor(args.straggle_ms, args.devices)
+    model.pid_dir = args.out / "pids"
     strategy = args.strategy
     if strategy.startswith("eager_sgd:"):  # a configured instance rather than a registry name
         strategy = lightning_partial.EagerSGDStrategy(mode=strategy.split(":", 1)[1])
@@ -70,6 +77,9 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(model, loader)
+    if trainer.received_sigterm:
+        print(f"rank {trainer.global_rank}: stopped by SIGTERM at step {trainer.global_step}", flush=True)
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / f"rank{trainer.global_rank}.pt")
 
