@@ -171,7 +171,7 @@ class PartialAllreduce:
         self._closing = False
 
         self._initiators = random.Random(config.seed)
-        self._arrivals_seen: dict[int, int] = {}
+        self._arrivals_seen: dict[int, object] = {}  # for the error message of a timeout
         self._first_round = 0
         self._state = "new"  # new -> running -> flushed -> closed
         self._thread: Optional[threading.Thread] = None
