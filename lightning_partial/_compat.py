@@ -8,7 +8,9 @@ Lightning upgrade that moves one breaks one file, with a clear error.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+import signal
+import threading
+from typing import Any, Callable
 
 from lightning.fabric.utilities.distributed import (  # noqa: F401 - re-exported
     _distributed_is_initialized,
@@ -27,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def replace_sigterm_broadcast(trainer: object, stop_requested: Callable[[], bool]) -> bool:
-    """Replaces Lightning's per-batch SIGTERM broadcast with a non-blocking check.
+    """Replaces Lightning's per-batch SIGTERM broadcast with a local, non-blocking check.
 
     Lightning 2.6's training loop calls ``_broadcast_sigterm_tensor`` at the start
     of every batch: a ``dist.broadcast`` from rank 0, i.e. a global synchronisation
@@ -46,7 +48,29 @@ def replace_sigterm_broadcast(trainer: object, stop_requested: Callable[[], bool
 
     def _nonblocking_sigterm_check() -> None:
         if stop_requested():
+            # What Lightning's own handler would have recorded (Trainer.received_sigterm reads it).
+            connector = getattr(trainer, "_signal_connector", None)
+            if connector is not None:
+                connector.received_sigterm = True
             raise SIGTERMException()
 
     loop._broadcast_sigterm_tensor = _nonblocking_sigterm_check  # type: ignore[attr-defined]
     return True
+
+
+def install_sigterm_handler(handler: Callable[[int, Any], None]) -> Any:
+    """Installs ``handler`` for SIGTERM in place of Lightning's; returns the previous one.
+
+    Lightning 2.6's ``_SignalConnector._sigterm_notifier_fn`` runs a
+    ``dist.broadcast`` from rank 0 inside the handler (a collective that blocks a
+    rank other than 0 forever when rank 0 is not broadcasting too) and forwards
+    the signal to the launcher's children. Only the main thread may install one.
+    """
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, handler)
+    return previous
+
+
+def restore_sigterm_handler(previous: Any) -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, previous)

@@ -77,3 +77,40 @@ def test_sync_mode_reaches_the_same_weights_as_ddp(tmp_path):
     ddp = fit(tmp_path, "ddp", "--steps", "20")[0]
     for key, value in ddp.items():
         torch.testing.assert_close(ours[key], value, rtol=0, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("victim", [2, 0])
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, victim):
+    """SIGTERM to one rank mid-fit: every rank raises SIGTERMException at the same step, replicas equal."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--out", str(out), "--steps", "100000", "--straggle-ms", "5"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pid_file = out / "pids" / f"rank{victim}.pid"
+        deadline = time.monotonic() + 120
+        while not (out / "pids").exists() or len(list((out / "pids").glob("*.pid"))) < 4:
+            assert time.monotonic() < deadline and proc.poll() is None, "the fit did not start"
+            time.sleep(0.2)  # polling for the ranks' pid files (not a timing assert)
+        time.sleep(2)  # let a few steps run (not a timing assert)
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    steps = {r: int((out / f"stopped{r}").read_text()) for r in range(4)}
+    assert len(set(steps.values())) == 1, steps
+    states = [torch.load(out / f"rank{r}.pt") for r in range(4)]
+    for other in states[1:]:
+        for key, value in states[0].items():
+            assert torch.equal(value, other[key]), key

@@ -572,3 +572,41 @@ def test_close_wakes_a_caller_blocked_in_arrive():
         return time.monotonic() - t0 < 10
 
     assert run_threads(P, fn) == [True, "closed", "closed", "closed"]
+
+
+@pytest.mark.parametrize("mode", ["solo", "majority"])
+def test_request_stop_ends_every_rank_at_the_same_round(mode):
+    """One rank asks to stop: all ranks learn it in the same round R, and none runs a round after R."""
+
+    def fn(rank, store):
+        e = PartialAllreduce(config(mode=mode), store=store, rank=rank, world_size=P, like=torch.zeros(2))
+        e.start()
+        rng = random.Random(rank)
+        rounds = []
+        try:
+            for step in range(200):
+                random_delay(rng)
+                if rank == 2 and step == 10:
+                    e.request_stop()
+                result = e.arrive(torch.ones(2))
+                rounds.append(result.round_index)
+                if result.stats.stop:
+                    with pytest.raises(EngineClosedError, match="requested a stop"):
+                        e.arrive(torch.ones(2))
+                    return result.round_index, rounds
+            return None, rounds
+        finally:
+            e.close()
+
+    per_rank = run_threads(P, fn)
+    stops = {stop for stop, _ in per_rank}
+    assert len(stops) == 1 and None not in stops
+    (stop,) = stops
+    assert stop >= 10
+    assert all(rounds == list(range(stop + 1)) for _, rounds in per_rank)
+
+
+def test_request_stop_is_refused_in_pure_sync_mode():
+    e = PartialAllreduce(config(mode="sync"), store=dist.HashStore(), rank=0, world_size=1, like=torch.zeros(1))
+    with pytest.raises(ValueError, match="header"):
+        e.request_stop()

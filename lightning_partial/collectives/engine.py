@@ -54,8 +54,8 @@ log = logging.getLogger(__name__)
 Tensors = Union[Tensor, Sequence[Tensor]]
 
 # Columns of the per-rank header row.
-_COUNT, _NEWEST, _OLDEST, _ACTIVATED, _FLUSH, _PROGRESS, _DROPPED = range(7)
-_HEADER_WIDTH = 7
+_COUNT, _NEWEST, _OLDEST, _ACTIVATED, _FLUSH, _PROGRESS, _DROPPED, _STOP = range(8)
+_HEADER_WIDTH = 8
 
 
 @dataclass
@@ -169,6 +169,9 @@ class PartialAllreduce:
         self._error: Optional[BaseException] = None
         self._waiting_round: Optional[int] = None
         self._closing = False
+        # Written without the lock: request_stop() may run in a signal handler
+        # that interrupted the caller's thread while it held self._cond.
+        self._stop_requested = False
 
         self._initiators = random.Random(config.seed)
         self._arrivals_seen: dict[int, object] = {}  # for the error message of a timeout
@@ -247,6 +250,21 @@ class PartialAllreduce:
         self._thread.join(timeout=self.config.timeout.total_seconds())
         self._control.finish(result.round_index, self.config.max_staleness)
         return result
+
+    def request_stop(self) -> None:
+        """Asks every rank to stop after the next round this rank's thread snapshots.
+
+        The request travels in that round's header, so every rank learns it in the
+        same round ``R`` (``result.stats.stop``): every communication thread ends
+        after ``R``, and an ``arrive`` after ``R`` raises ``EngineClosedError``.
+        Safe to call from a signal handler. Not available in pure ``sync`` mode,
+        whose rounds carry no header.
+        """
+        if self.config.mode == "sync":
+            raise ValueError(
+                f"rank {self.rank}: request_stop() needs the round header, which pure mode='sync' does not send"
+            )
+        self._stop_requested = True
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops the communication thread; bounded by ``timeout`` seconds and idempotent."""
@@ -335,7 +353,12 @@ class PartialAllreduce:
 
     def _check_running(self, what: str) -> None:
         if self._state != "running":
-            hint = {"new": "call start() first", "flushed": "the engine was flushed", "closed": "it was closed"}
+            hint = {
+                "new": "call start() first",
+                "flushed": "the engine was flushed",
+                "stopped": "a rank requested a stop (request_stop) and every rank stopped at the same round",
+                "closed": "it was closed",
+            }
             raise EngineClosedError(
                 f"{what}() on an engine that is not running: {hint[self._state]}", rank=self.rank, round_index=self._step
             )
@@ -391,6 +414,8 @@ class PartialAllreduce:
         self._arrivals_seen = {q: arrived if arrived is not None else "?"}
 
         result = self._wait_result(q)
+        if result.stats.stop:
+            self._state = "stopped"  # the communication thread has ended after this round
         stats = dataclasses.replace(
             result.stats,
             wait_time=time.perf_counter() - started,
@@ -488,13 +513,14 @@ class PartialAllreduce:
                     row[self.rank, _FLUSH] = int(self._flush_round == r)
                     row[self.rank, _PROGRESS] = self._step
                     row[self.rank, _DROPPED] = self._dropped
+                    row[self.rank, _STOP] = int(self._stop_requested)
                     self._dropped = 0
                 result = self._reduce(r, row, deposits, began=began, activated=activated)
                 with self._cond:
                     self._results[r] = result
                     self._cond.notify_all()
                 control.collect(r, activated_through_store=not synchronous)
-                if result.stats.flush:
+                if result.stats.flush or result.stats.stop:
                     return
                 r += 1
         except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
@@ -578,6 +604,7 @@ class PartialAllreduce:
             oldest_staleness=tuple(r - (o - 1) if c else None for c, o in zip(counts, oldest)),
             progress=tuple(int(p) for p in header[:, _PROGRESS].tolist()),
             dropped=tuple(int(d) for d in header[:, _DROPPED].tolist()),
+            stop=bool(header[:, _STOP].any()),
             contributions=total,
             divisor=divisor,
             activation_latency=activated - began,

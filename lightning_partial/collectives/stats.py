@@ -21,6 +21,7 @@ class RoundStats:
         synchronous: the round waited for every rank (``sync`` mode, a
             ``sync_every`` round, or the final flush).
         flush: the round is a final flush.
+        stop: some rank requested a stop (``request_stop``): this is the last round.
         fresh: ranks whose gradient of this very step was in the round.
         counts: per rank, how many gradients it contributed (0: none).
         staleness: per rank, ``round_index`` minus the step of the newest gradient
@@ -45,6 +46,7 @@ class RoundStats:
     initiator: Optional[int]
     synchronous: bool
     flush: bool
+    stop: bool = False
     fresh: tuple[int, ...]
     counts: tuple[int, ...]
     staleness: tuple[Optional[int], ...]

@@ -12,7 +12,12 @@ Contract (threads and collectives):
   parameters are handed to the engine (``arrive``); the round's result replaces
   them. No collective runs on the default group per step: the engine's
   communication thread issues the round's allreduces on the engine's groups,
-  and Lightning's per-batch SIGTERM broadcast is replaced by a store look-up.
+  and Lightning's per-batch SIGTERM broadcast is replaced by a local flag.
+* SIGTERM on any rank: the strategy's handler asks the engines to stop; the
+  request travels in the next round's header, so every rank learns it in the
+  same round ``R``, and every rank raises ``SIGTERMException`` at the start of
+  its next batch, with no round after ``R`` left waiting. (In pure ``sync``
+  mode, Lightning's own handling is kept.)
 * End of fit (main thread): ``flush()`` runs the final synchronous round on
   every engine; its result (carried gradients) is applied with one more
   optimizer step, so nothing computed is lost and all replicas end identical.
@@ -110,8 +115,8 @@ class EagerSGDStrategy(ParallelStrategy):
         self._engines: dict[int, PartialAllreduce] = {}
         self._params: dict[int, list[torch.nn.Parameter]] = {}
         self._store: Optional[dist.Store] = None
-        self._stop_store: Optional[dist.Store] = None
-        self._stop_announced = False
+        self._stopped = False  # a round carried a stop request: every rank stops at it
+        self._previous_sigterm_handler: Any = None
         self.last_round_stats: Optional[RoundStats] = None
 
     # ------------------------------------------------------------ topology
@@ -205,7 +210,6 @@ class EagerSGDStrategy(ParallelStrategy):
     def _start_engines(self, trainer: "pl.Trainer") -> None:
         self.partial_config.validate_world(self.world_size)
         self._store = create_store(timeout=self._timeout)
-        self._stop_store = dist.PrefixStore("lightning_partial/stop", self._store.clone())
         for index, optimizer in enumerate(self.optimizers):
             params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
             if not params:
@@ -219,15 +223,25 @@ class EagerSGDStrategy(ParallelStrategy):
             )
             self._engines[index] = engine.start()
             self._params[index] = params
-        _compat.replace_sigterm_broadcast(trainer, self._stop_requested)
+        if self.partial_config.mode != "sync":
+            # A globally synchronous step costs the broadcast nothing extra: keep
+            # Lightning's own SIGTERM handling in pure sync mode.
+            _compat.replace_sigterm_broadcast(trainer, lambda: self._stopped)
 
-    def _stop_requested(self) -> bool:
-        """Non-blocking SIGTERM agreement: one store look-up, no collective."""
-        assert self._stop_store is not None and self.lightning_module is not None
-        if self.lightning_module.trainer.received_sigterm and not self._stop_announced:
-            self._stop_store.set("sigterm", str(self.global_rank))
-            self._stop_announced = True
-        return self._stop_store.check(["sigterm"])
+    @override
+    def on_train_start(self) -> None:
+        # Lightning registers its SIGTERM handler after strategy.setup(); replace it
+        # here. Its handler broadcasts from rank 0 inside the handler and marks the
+        # rank as stopping at the end of the batch, alone: a rank that stops alone
+        # leaves the others waiting in rounds that need its communication thread.
+        if self._engines and self.partial_config.mode != "sync":
+            self._previous_sigterm_handler = _compat.install_sigterm_handler(self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """SIGTERM: ask every rank to stop at the same round (via the engines' round header)."""
+        log.info("rank %d: received SIGTERM; every rank stops at the next round", self.global_rank)
+        for engine in self._engines.values():
+            engine.request_stop()
 
     # ------------------------------------------------------------- training
     @override
@@ -267,10 +281,15 @@ class EagerSGDStrategy(ParallelStrategy):
                 p.grad.copy_(g)
         result.release()
         self.last_round_stats = result.stats
+        if result.stats.stop:
+            self._stopped = True  # the next batch start raises SIGTERMException on every rank
 
     @override
     def on_train_end(self) -> None:
         """The final flush: carried gradients are applied, replicas end identical."""
+        if self._stopped:  # stopped by SIGTERM: the engines already ended at the same round
+            self._close_engines()
+            return
         for index, engine in list(self._engines.items()):
             result = engine.flush()
             self.last_round_stats = result.stats
@@ -284,6 +303,9 @@ class EagerSGDStrategy(ParallelStrategy):
         self._close_engines()
 
     def _close_engines(self) -> None:
+        if self._previous_sigterm_handler is not None:
+            _compat.restore_sigterm_handler(self._previous_sigterm_handler)
+            self._previous_sigterm_handler = None
         for engine in self._engines.values():
             engine.close()
         self._engines.clear()
