@@ -79,34 +79,43 @@ def test_sync_mode_reaches_the_same_weights_as_ddp(tmp_path):
         torch.testing.assert_close(ours[key], value, rtol=0, atol=1e-6)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("victim", [2, 0])
-def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, victim):
-    """SIGTERM to one rank mid-fit: every rank raises SIGTERMException at the same step, replicas equal."""
-    import signal
-    import time
-
-    out = tmp_path / "run"
+def start_fit(out: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--out", str(out), "--steps", "100000", "--straggle-ms", "5"],
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--out", str(out), "--steps", "100000", "--straggle-ms", "5", *extra],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def signal_rank_when_running(proc: subprocess.Popen, out: Path, rank: int, signum: int) -> str:
+    """Waits for the 4 ranks' pid files, lets some steps run, signals ``rank``; returns stderr."""
+    import time
+
     try:
-        pid_file = out / "pids" / f"rank{victim}.pid"
         deadline = time.monotonic() + 120
-        while not (out / "pids").exists() or len(list((out / "pids").glob("*.pid"))) < 4:
+        while len(list((out / "pids").glob("*.pid"))) < 4:
             assert time.monotonic() < deadline and proc.poll() is None, "the fit did not start"
             time.sleep(0.2)  # polling for the ranks' pid files (not a timing assert)
         time.sleep(2)  # let a few steps run (not a timing assert)
-        os.kill(int(pid_file.read_text()), signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=120)
+        os.kill(int((out / "pids" / f"rank{rank}.pid").read_text()), signum)
+        return proc.communicate(timeout=120)[1]  # a hang fails here
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("victim", [2, 0])
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, victim):
+    """SIGTERM to one rank mid-fit: every rank raises SIGTERMException at the same step, replicas equal."""
+    import signal
+
+    out = tmp_path / "run"
+    proc = start_fit(out)
+    stderr = signal_rank_when_running(proc, out, victim, signal.SIGTERM)
     assert proc.returncode == 0, stderr[-3000:]
     steps = {r: int((out / f"stopped{r}").read_text()) for r in range(4)}
     assert len(set(steps.values())) == 1, steps
@@ -114,3 +123,19 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, victim)
     for other in states[1:]:
         for key, value in states[0].items():
             assert torch.equal(value, other[key]), key
+
+
+@pytest.mark.timeout(300)
+def test_killed_rank_ends_the_fit_with_a_clear_error(tmp_path):
+    """SIGKILL to rank 2 mid-fit: the job ends (no hang) and says why."""
+    import signal
+
+    out = tmp_path / "run"
+    proc = start_fit(out)
+    stderr = signal_rank_when_running(proc, out, 2, signal.SIGKILL)
+    assert proc.returncode != 0
+    # Whichever comes first: a survivor's engine error naming its rank and round,
+    # or Lightning's launcher reporting the dead child and ending the others.
+    assert ("[partial allreduce, rank" in stderr and "round" in stderr) or "terminated with code -9" in stderr, (
+        stderr[-3000:]
+    )
