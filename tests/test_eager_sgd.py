@@ -48,15 +48,17 @@ def test_bad_configuration_fails_at_construction(kw, match):
         EagerSGDStrategy(**kw)
 
 
+FIT_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def fit_command(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(SCRIPT), "--out", str(out), *extra]
+
+
 def fit(tmp_path: Path, strategy: str, *extra: str) -> list[dict[str, torch.Tensor]]:
     out = tmp_path / strategy.replace(":", "_")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--strategy", strategy, "--out", str(out), *extra],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
+        fit_command(out, "--strategy", strategy, *extra), env=FIT_ENV, capture_output=True, text=True, timeout=240
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt") for r in range(4)]
@@ -79,11 +81,11 @@ def test_sync_mode_reaches_the_same_weights_as_ddp(tmp_path):
         torch.testing.assert_close(ours[key], value, rtol=0, atol=1e-6)
 
 
-def start_fit(out: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+def start_fit(out: Path) -> subprocess.Popen:
+    """A long fit (one 5 ms straggler per step) that a test then signals."""
     return subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--out", str(out), "--steps", "100000", "--straggle-ms", "5", *extra],
-        env=env,
+        fit_command(out, "--steps", "100000", "--straggle-ms", "5"),
+        env=FIT_ENV,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

@@ -93,12 +93,10 @@ class ControlPlane:
 
     def collect(self, round_index: int, *, activated_through_store: bool) -> None:
         """Deletes this rank's activation key of a completed round and any discarded keys."""
-        with self._garbage_lock:
-            garbage, self._garbage = self._garbage, []
+        keys = self._take_garbage()
         if activated_through_store:
-            garbage.insert(0, f"go/{round_index}/{self.rank}")
-        for key in garbage:
-            self._call(lambda key=key: self.comm.delete_key(key), round_index, "delete old keys")
+            keys.insert(0, f"go/{round_index}/{self.rank}")
+        self._delete(self.comm, keys, round_index)
 
     def finish(self, flush_round: int, max_staleness: int | None) -> None:
         """After the flush, on the caller's thread: deletes what no later round will.
@@ -107,12 +105,20 @@ class ControlPlane:
         to rounds that never run; rank 0 deletes them. Every rank deletes the keys
         it discarded after its communication thread's last collection.
         """
+        keys = self._take_garbage()
+        if self.rank == 0 and max_staleness is not None:
+            keys += [f"g/{r}" for r in range(flush_round, flush_round + max_staleness + 1)]
+        self._delete(self.main, keys, flush_round)
+
+    def _take_garbage(self) -> list[str]:
         with self._garbage_lock:
             garbage, self._garbage = self._garbage, []
-        if self.rank == 0 and max_staleness is not None:
-            garbage += [f"g/{r}" for r in range(flush_round, flush_round + max_staleness + 1)]
-        for key in garbage:
-            self._call(lambda key=key: self.main.delete_key(key), flush_round, "delete old keys")
+        return garbage
+
+    def _delete(self, client: dist.Store, keys: list[str], round_index: int) -> None:
+        """Deletes ``keys`` with ``client`` (the calling thread's own store client)."""
+        for key in keys:
+            self._call(lambda key=key: client.delete_key(key), round_index, "delete old keys")
 
     def _call(self, fn, round_index: int, what: str):  # type: ignore[no-untyped-def]
         try:

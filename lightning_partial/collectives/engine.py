@@ -32,8 +32,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -174,7 +173,7 @@ class PartialAllreduce:
         self._stop_requested = False
 
         self._initiators = random.Random(config.seed)
-        self._arrivals_seen: dict[int, object] = {}  # for the error message of a timeout
+        self._arrivals_seen: tuple[int, object] = (-1, "?")  # (step, count): for a timeout's message
         self._first_round = 0
         self._state = "new"  # new -> running -> flushed -> closed
         self._thread: Optional[threading.Thread] = None
@@ -411,7 +410,7 @@ class PartialAllreduce:
             # flush makes q synchronous, so wake it (the other ranks flush at q too).
             # After the counting above, so that the thread's last collection sees it.
             control.wake(q)
-        self._arrivals_seen = {q: arrived if arrived is not None else "?"}
+        self._arrivals_seen = (q, arrived if arrived is not None else "?")
 
         result = self._wait_result(q)
         if result.stats.stop:
@@ -440,22 +439,21 @@ class PartialAllreduce:
         return 2 if s is not None and round_index - s >= self._first_round else 1
 
     def _wait_result(self, q: int) -> RoundResult:
-        deadline = time.monotonic() + self.config.timeout.total_seconds()
+        def done() -> bool:
+            self._raise_if_failed(q)
+            if self._closing:
+                raise EngineClosedError(f"close() was called while waiting for round {q}", rank=self.rank, round_index=q)
+            return q in self._results
+
+        seen, arrived = self._arrivals_seen
+        self._wait_on_cond(
+            done,
+            q,
+            f"round {q} did not complete (mode={self.config.mode}, "
+            f"{arrived if seen == q else '?'} of {self.world_size} ranks had arrived at this step "
+            "when this rank did); is a rank dead or stalled?",
+        )
         with self._cond:
-            while q not in self._results:
-                self._raise_if_failed(q)
-                if self._closing:
-                    raise EngineClosedError(f"close() was called while waiting for round {q}", rank=self.rank, round_index=q)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise PartialCollectiveTimeout(
-                        f"round {q} did not complete within {self.config.timeout.total_seconds():g}s "
-                        f"(mode={self.config.mode}, {self._arrivals_seen.get(q, '?')} of {self.world_size} ranks "
-                        "had arrived at this step when this rank did); is a rank dead or stalled?",
-                        rank=self.rank,
-                        round_index=q,
-                    )
-                self._cond.wait(timeout=remaining)
             result = self._results.pop(q)
         if isinstance(result, BaseException):
             raise result
@@ -534,17 +532,19 @@ class PartialAllreduce:
             log.error("%s", err)
 
     def _wait_own_arrival(self, r: int) -> None:
-        deadline = time.monotonic() + self.config.timeout.total_seconds()
+        self._wait_on_cond(
+            lambda: self._step > r or self._closing, r, f"this rank did not arrive at synchronous round {r}"
+        )
+
+    def _wait_on_cond(self, done: Callable[[], bool], r: int, what: str) -> None:
+        """Waits on ``self._cond`` until ``done()``, at most ``config.timeout``; raises naming rank and round."""
+        timeout = self.config.timeout.total_seconds()
+        deadline = time.monotonic() + timeout
         with self._cond:
-            while self._step <= r and not self._closing:
+            while not done():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise PartialCollectiveTimeout(
-                        f"this rank did not arrive at synchronous round {r} within "
-                        f"{self.config.timeout.total_seconds():g}s",
-                        rank=self.rank,
-                        round_index=r,
-                    )
+                    raise PartialCollectiveTimeout(f"timed out after {timeout:g}s: {what}", rank=self.rank, round_index=r)
                 self._cond.wait(timeout=remaining)
 
     def _reduce(self, r: int, header: Tensor, deposits: list[_Deposit], *, began: float, activated: float) -> RoundResult:
