@@ -365,10 +365,9 @@ def test_close_is_bounded_and_idempotent():
         e.start()
         e.arrive(torch.ones(1))
         # The communication thread now blocks waiting for round 1, which never comes.
-        t0 = time.monotonic()
         e.close(timeout=5)
         e.close(timeout=5)
-        assert time.monotonic() - t0 < 5, "close() hit its bound: the thread was not woken"
+        # Unwoken, the thread would still block in the store (30 s timeout) after close's 5 s bound.
         assert not e._thread.is_alive()
         with pytest.raises(EngineClosedError, match=f"rank {rank}"):
             e.arrive(torch.ones(1))
@@ -565,13 +564,13 @@ def test_close_wakes_a_caller_blocked_in_arrive():
             return "closed"
         closer = threading.Timer(0.2, e.close)
         closer.start()
-        t0 = time.monotonic()
+        # Without the wake-up this would be a PartialCollectiveTimeout after 20 s instead.
         with pytest.raises(EngineClosedError, match="rank 0"):
             e.arrive(torch.ones(1))
         closer.join()
-        return time.monotonic() - t0 < 10
+        return "woken"
 
-    assert run_threads(P, fn) == [True, "closed", "closed", "closed"]
+    assert run_threads(P, fn) == ["woken", "closed", "closed", "closed"]
 
 
 @pytest.mark.parametrize("mode", ["solo", "majority"])
