@@ -117,7 +117,8 @@ class EagerSGDStrategy(ParallelStrategy):
         self._store: Optional[dist.Store] = None
         self._stopped = False  # a round carried a stop request: every rank stops at it
         self._previous_sigterm_handler: Any = None
-        self.last_round_stats: Optional[RoundStats] = None
+        # The latest round's statistics per optimizer index (read by StalenessTracker).
+        self.round_stats: dict[int, RoundStats] = {}
 
     # ------------------------------------------------------------ topology
     @property
@@ -280,7 +281,7 @@ class EagerSGDStrategy(ParallelStrategy):
             else:
                 p.grad.copy_(g)
         result.release()
-        self.last_round_stats = result.stats
+        self.round_stats[index] = result.stats
         if result.stats.stop:
             self._stopped = True  # the next batch start raises SIGTERMException on every rank
 
@@ -292,7 +293,7 @@ class EagerSGDStrategy(ParallelStrategy):
             return
         for index, engine in list(self._engines.items()):
             result = engine.flush()
-            self.last_round_stats = result.stats
+            self.round_stats[index] = result.stats
             if result.stats.contributions:
                 optimizer = self.optimizers[index]
                 for p, g in zip(self._params[index], result.tensors):
