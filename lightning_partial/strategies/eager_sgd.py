@@ -4,9 +4,11 @@ Contract (threads and collectives):
 
 * Set-up (every rank, main thread, default group): the process group is
   initialised as in ``DDPStrategy``; rank 0's parameters and buffers are
-  broadcast once; a dedicated ``TCPStore`` is created (its address broadcast
+  broadcast once. At ``on_train_start`` (after Lightning restored a
+  checkpoint): a dedicated ``TCPStore`` is created (its address broadcast
   once); one :class:`~lightning_partial.collectives.PartialAllreduce` per
-  optimizer starts its communication thread.
+  optimizer loads its checkpointed state, if any, and starts its
+  communication thread.
 * Each optimizer step (main thread): after the closure's backward and before
   gradient clipping and ``optimizer.step``, the gradients of the optimizer's
   parameters are handed to the engine (``arrive``); the round's result replaces
@@ -21,6 +23,10 @@ Contract (threads and collectives):
 * End of fit (main thread): ``flush()`` runs the final synchronous round on
   every engine; its result (carried gradients) is applied with one more
   optimizer step, so nothing computed is lost and all replicas end identical.
+* Checkpoints (every rank, main thread, default group): ``save_checkpoint``
+  gathers every rank's engine state (round counter, initiator RNG, pending
+  carried gradients) into rank 0's file with one ``gather_object``; a resumed
+  fit gives each rank its own state back, so no computed gradient is lost.
 * Validation, test and predict never touch the engine.
 """
 
@@ -35,7 +41,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.types import ReduceOp
+from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -49,6 +55,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_partial import _compat
 from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundStats, create_store
+from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, gather_engine_states, state_for_rank
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +124,8 @@ class EagerSGDStrategy(ParallelStrategy):
         self._store: Optional[dist.Store] = None
         self._stopped = False  # a round carried a stop request: every rank stops at it
         self._previous_sigterm_handler: Any = None
+        self._resume_state: Optional[dict[str, Any]] = None  # from load_checkpoint, consumed at start
+        self._final_states: dict[int, dict[str, Any]] = {}  # engine states after the final flush
         # The latest round's statistics per optimizer index (read by StalenessTracker).
         self.round_stats: dict[int, RoundStats] = {}
 
@@ -206,11 +215,18 @@ class EagerSGDStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _compat._optimizers_to_device(self.optimizers, self.root_device)
-            self._start_engines(trainer)
+            # Fails here, before any process is busy training, if P does not suit the mode.
+            self.partial_config.validate_world(self.world_size)
 
     def _start_engines(self, trainer: "pl.Trainer") -> None:
-        self.partial_config.validate_world(self.world_size)
+        """Collective (every rank, main thread): the store, one engine per optimizer, their threads.
+
+        Runs at ``on_train_start``, after Lightning restored a checkpoint's
+        training state, because an engine's state must be loaded before it starts.
+        """
         self._store = create_store(timeout=self._timeout)
+        resume = self._resume_state
+        self._resume_state = None
         for index, optimizer in enumerate(self.optimizers):
             params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
             if not params:
@@ -222,6 +238,10 @@ class EagerSGDStrategy(ParallelStrategy):
                 world_size=self.world_size,
                 like=params,
             )
+            if resume is not None and index in resume["engines"]:
+                engine.load_state_dict(
+                    state_for_rank(resume["engines"][index], rank=self.global_rank, world_size=self.world_size)
+                )
             self._engines[index] = engine.start()
             self._params[index] = params
         if self.partial_config.mode != "sync":
@@ -231,6 +251,8 @@ class EagerSGDStrategy(ParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
+        assert self.lightning_module is not None
+        self._start_engines(self.lightning_module.trainer)
         # Lightning registers its SIGTERM handler after strategy.setup(); replace it
         # here. Its handler broadcasts from rank 0 inside the handler and marks the
         # rank as stopping at the end of the batch, alone: a rank that stops alone
@@ -293,6 +315,7 @@ class EagerSGDStrategy(ParallelStrategy):
             return
         for index, engine in list(self._engines.items()):
             result = engine.flush()
+            self._final_states[index] = engine.state_dict()  # nothing pending: for a checkpoint after fit
             self.round_stats[index] = result.stats
             if result.stats.contributions:
                 optimizer = self.optimizers[index]
@@ -311,6 +334,34 @@ class EagerSGDStrategy(ParallelStrategy):
             engine.close()
         self._engines.clear()
         self._params.clear()
+
+    # ---------------------------------------------------------- checkpoints
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """Every rank: its engines' state (round, RNG, pending gradients) is gathered into rank 0's file.
+
+        One ``gather_object`` on the default group per checkpoint (see
+        :mod:`lightning_partial.strategies.checkpoint` for why the cut is consistent).
+        """
+        states = {i: e.state_dict() for i, e in self._engines.items()} or dict(self._final_states)
+        if states and _compat._distributed_is_initialized():
+            entry = gather_engine_states(
+                states, rank=self.global_rank, world_size=self.world_size, strategy="eager_sgd"
+            )
+            if entry is not None:
+                checkpoint[CHECKPOINT_KEY] = entry
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Keeps the engines' state of a checkpoint for the engines created at ``on_train_start``."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._resume_state = checkpoint.get(CHECKPOINT_KEY)
+        if self._resume_state is None:
+            log.info("the checkpoint holds no engine state (not written by eager_sgd): the engines start afresh")
+        return checkpoint
 
     # ---------------------------------------------------------- collectives
     @override

@@ -1,0 +1,91 @@
+"""Engine state in Lightning checkpoints: gathered from every rank on save, split again on resume.
+
+Why a gather: only rank 0 writes the checkpoint file, but pending (carried)
+gradients are per rank. ``Trainer.save_checkpoint`` runs on every rank at the
+same step, so the strategy's ``save_checkpoint`` gathers each rank's engine
+state to rank 0 with one ``gather_object`` on the default group (once per
+checkpoint, never per step).
+
+Why the cut is consistent: every rank saves right after its optimizer step
+``q - 1``, so its ``arrive`` for round ``q - 1`` has returned, which needs every
+rank's communication thread to have completed round ``q - 1``. No rank arrives at
+round ``q`` before the barrier that follows the save, so no round ``>= q`` is
+active anywhere: the saved pending gradients are exactly those that no applied
+round contains.
+
+Checkpoint layout (under ``checkpoint[CHECKPOINT_KEY]``)::
+
+    {"strategy": "eager_sgd", "world_size": P,
+     "engines": {optimizer_index: [state of rank 0, ..., state of rank P-1]}}
+
+where a state is :meth:`PartialAllreduce.state_dict`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "lightning_partial"
+
+
+def gather_engine_states(
+    states: dict[int, dict[str, Any]], *, rank: int, world_size: int, strategy: str
+) -> Optional[dict[str, Any]]:
+    """Collective on the default group: returns the checkpoint entry on rank 0, ``None`` elsewhere."""
+    gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
+    if world_size > 1:
+        dist.gather_object(states, gathered, dst=0)
+    else:
+        gathered = [states]
+    if rank != 0:
+        return None
+    assert gathered is not None
+    indices = sorted(set().union(*(g.keys() for g in gathered)))
+    for r, g in enumerate(gathered):
+        if set(g.keys()) != set(indices):
+            raise RuntimeError(
+                f"rank {r} has engines for optimizers {sorted(g.keys())}, rank 0 for {indices}: "
+                "every rank must set up the same optimizers"
+            )
+    return {
+        "strategy": strategy,
+        "world_size": world_size,
+        "engines": {index: [g[index] for g in gathered] for index in indices},
+    }
+
+
+def state_for_rank(per_rank: list[dict[str, Any]], *, rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's engine state from a checkpoint written by ``len(per_rank)`` ranks.
+
+    Same world size: the rank's own state. Another world size: old rank ``j``'s
+    pending gradients go to new rank ``j % world_size`` (they are summed in a
+    later round like any carried gradient, so nothing is lost); the round
+    counter and the initiator RNG are the same on every old rank.
+    """
+    if not per_rank:
+        raise ValueError("the checkpoint holds no engine state")
+    steps = {int(s["step"]) for s in per_rank}
+    if len(steps) != 1:
+        raise ValueError(f"inconsistent checkpoint: the ranks' engines are at different rounds {sorted(steps)}")
+    if len(per_rank) == world_size:
+        return per_rank[rank]
+    log.warning(
+        "resuming a checkpoint of %d ranks on %d: old rank j's pending gradients go to rank j %% %d",
+        len(per_rank),
+        world_size,
+        world_size,
+    )
+    mine = [s for j, s in enumerate(per_rank) if j % world_size == rank]
+    base = per_rank[0]
+    return {
+        "step": base["step"],
+        "initiator_rng": base["initiator_rng"],
+        "pending": [p for s in mine for p in s["pending"]],
+        "pending_steps": [t for s in mine for t in s["pending_steps"]],
+        "dropped": sum(int(s.get("dropped", 0)) for s in mine),
+    }
