@@ -140,3 +140,72 @@ def test_resume_from_a_mid_run_checkpoint_loses_no_carried_gradient(tmp_path):
     total = computed(first, before=6) + computed(second)
     want = expected(first[0]["w0"]["w"], total, lr=first[0]["lr"], world=4)
     assert second[0]["final"]["w"] == want
+
+
+def test_16_mixed_is_refused_with_a_clear_error():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_partial import EagerSGDStrategy
+
+    strategy = EagerSGDStrategy(precision_plugin=MixedPrecision("16-mixed", "cpu"))
+    with pytest.raises(ValueError, match="16-mixed"):
+        strategy.check_precision()
+    EagerSGDStrategy(precision_plugin=MixedPrecision("bf16-mixed", "cpu")).check_precision()  # no scaler: fine
+
+
+def test_processes_created_by_torchrun(tmp_path):
+    """torchrun starts the 4 processes; Lightning's TorchElasticEnvironment finds them."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+        str(SCRIPT), "--out", str(tmp_path), "--strategy", "eager_sgd", "--steps", "6",
+    ]
+    proc = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert_identical_replicas(records)
+    assert records[0]["final"]["w"] == expected(records[0]["w0"]["w"], computed(records), lr=records[0]["lr"], world=4)
+
+
+def test_processes_created_by_slurm(tmp_path):
+    """Four processes started as srun would (SLURM_* variables); Lightning's SLURMEnvironment finds them."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(4):
+        env = {
+            **ENV, "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "4", "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_NODELIST": "127.0.0.1",
+            "SLURM_JOB_NAME": "lightning_partial_test", "SLURM_JOB_ID": "4242", "MASTER_PORT": str(port),
+        }
+        command = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--strategy", "eager_sgd", "--steps", "6"]
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [p.communicate(timeout=200)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+    assert "SLURM" in outputs[0]
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert_identical_replicas(records)
+    assert records[0]["final"]["w"] == expected(records[0]["w0"]["w"], computed(records), lr=records[0]["lr"], world=4)
+
+
+def test_checkpoint_states_split_for_another_world_size():
+    from lightning_partial.strategies.checkpoint import state_for_rank
+
+    def state(rank: int, step: int = 5) -> dict:
+        return {"step": step, "initiator_rng": None, "pending": [[torch.full((2,), float(rank))]],
+                "pending_steps": [step - 1], "dropped": rank}
+
+    old = [state(r) for r in range(4)]
+    assert state_for_rank(old, rank=2, world_size=4) is old[2]
+    halves = [state_for_rank(old, rank=r, world_size=2) for r in range(2)]
+    # Old rank j's pending goes to new rank j % 2: nothing is lost, nothing duplicated.
+    assert [[float(p[0][0]) for p in h["pending"]] for h in halves] == [[0.0, 2.0], [1.0, 3.0]]
+    assert all(h["step"] == 5 for h in halves)
+    with pytest.raises(ValueError, match="different rounds"):
+        state_for_rank([state(0, 5), state(1, 6)], rank=0, world_size=2)

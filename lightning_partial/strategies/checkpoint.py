@@ -52,6 +52,16 @@ def gather_engine_states(
                 f"rank {r} has engines for optimizers {sorted(g.keys())}, rank 0 for {indices}: "
                 "every rank must set up the same optimizers"
             )
+    steps = sorted({int(s["step"]) for g in gathered for s in g.values()})
+    if len(steps) > 1:
+        # E.g. Lightning's SLURM auto-requeue saves from a signal handler, wherever
+        # each rank is: not a consistent cut. The weights are still written;
+        # resuming from this file fails with a clear error (state_for_rank).
+        log.warning(
+            "checkpoint taken while the ranks were at different rounds %s: its engine state cannot be resumed; "
+            "save at the same step on every rank (ModelCheckpoint, or trainer.save_checkpoint from a hook)",
+            steps,
+        )
     return {
         "strategy": strategy,
         "world_size": world_size,
@@ -71,7 +81,11 @@ def state_for_rank(per_rank: list[dict[str, Any]], *, rank: int, world_size: int
         raise ValueError("the checkpoint holds no engine state")
     steps = {int(s["step"]) for s in per_rank}
     if len(steps) != 1:
-        raise ValueError(f"inconsistent checkpoint: the ranks' engines are at different rounds {sorted(steps)}")
+        raise ValueError(
+            f"this checkpoint was saved while the ranks' engines were at different rounds {sorted(steps)} "
+            "(not at the same step on every rank, e.g. from a signal handler): its pending gradients cannot be "
+            "resumed consistently; resume from a checkpoint written by ModelCheckpoint or trainer.save_checkpoint"
+        )
     if len(per_rank) == world_size:
         return per_rank[rank]
     log.warning(

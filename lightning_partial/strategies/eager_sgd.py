@@ -195,14 +195,7 @@ class EagerSGDStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
-            # The GradScaler skips a step on a rank whose *local* gradients overflow:
-            # with partial averaging ranks would then apply different updates.
-            raise ValueError(
-                "EagerSGDStrategy does not support precision='16-mixed' (its gradient scaler decides per rank "
-                "whether to skip a step, which would make the replicas diverge): use '32-true', 'bf16-mixed' "
-                "or 'bf16-true'"
-            )
+        self.check_precision()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
@@ -217,6 +210,17 @@ class EagerSGDStrategy(ParallelStrategy):
             _compat._optimizers_to_device(self.optimizers, self.root_device)
             # Fails here, before any process is busy training, if P does not suit the mode.
             self.partial_config.validate_world(self.world_size)
+
+    def check_precision(self) -> None:
+        """Refuses a gradient scaler (``precision="16-mixed"``) with a clear error."""
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
+            # The GradScaler skips a step on a rank whose *local* gradients overflow:
+            # with partial averaging ranks would then apply different updates.
+            raise ValueError(
+                "EagerSGDStrategy does not support precision='16-mixed' (its gradient scaler decides per rank "
+                "whether to skip a step, which would make the replicas diverge): use '32-true', 'bf16-mixed' "
+                "or 'bf16-true'"
+            )
 
     def _start_engines(self, trainer: "pl.Trainer") -> None:
         """Collective (every rank, main thread): the store, one engine per optimizer, their threads.
