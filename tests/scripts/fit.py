@@ -1,39 +1,53 @@
 """A small fit on N CPU processes, launched for real by Lightning (tests run this file).
 
-Each rank writes its final parameters to ``<out>/rank<R>.pt``. ``--straggle-ms``
-makes one rank per step, drawn with a shared seed, sleep before its forward
-pass (the paper's imbalance protocol, inlined until the LoadImbalance callback lands).
+Each rank writes its final parameters to ``<out>/rank<R>.pt``, its pid to
+``<out>/pids/rank<R>.pid`` at train start (so a test can signal it),
+``<out>/stopped<R>`` (the global step) if the fit ended by SIGTERM, and
+``<out>/callbacks<R>.json``: what ``LoadImbalance`` injected per batch, the
+``StalenessTracker`` summary (``--track``) and, with ``--spy``, the collectives
+issued on the default group while the batches ran.
+
+Imbalance (``lightning_partial.callbacks.LoadImbalance``): ``--imbalance-ms``
+(alias ``--straggle-ms``) makes ``--stragglers`` ranks per batch, drawn with a
+shared seed, sleep before the forward pass; ``--speed 1,1,0.5,0.25`` slows
+ranks persistently. Loggers: ``--csv DIR`` (CSVLogger), ``--wandb DIR``
+(``lightning_partial.loggers.wandb_logger``, offline by default).
 """
 
 from __future__ import annotations
 
+import sys
+
+if "--spy" in sys.argv:
+    # Before Lightning is imported, so that every module it calls through is patched.
+    from exact import install_spy  # tests/scripts/exact.py: the default-group collective counter
+
+    install_spy()
+
 import argparse
+import json
 import os
-import random
-import time
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import lightning as L
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 import torch
+from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_partial  # noqa: F401 - registers the strategies
+from lightning_partial.callbacks import LoadImbalance, StalenessTracker
 
 
 class Regressor(L.LightningModule):
-    def __init__(self, straggle_ms: float, world: int) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-        self.straggle_ms = straggle_ms
-        self.chooser = random.Random(7)  # same seed on every rank: every rank draws the same straggler
-        self.world = world
         self.pid_dir: Path | None = None
 
     def training_step(self, batch, batch_idx):
-        straggler = self.chooser.randrange(self.world)
-        if self.straggle_ms and straggler == self.global_rank:
-            time.sleep(self.straggle_ms / 1000)  # injected straggler delay
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss)
@@ -48,12 +62,51 @@ class Regressor(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
+class Probe(L.Callback):
+    """With ``--spy``: counts the default group's collectives from the first batch start to each batch end.
+
+    Listed first, so its batch-end count precedes the other callbacks' batch
+    ends; ``at_train_end`` (before the strategy's own end of fit) covers them all.
+    """
+
+    def __init__(self) -> None:
+        self.at_batch_end: list[int] = []
+        self.at_train_end: int | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        from exact import SPY
+
+        SPY["active"] = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from exact import SPY
+
+        self.at_batch_end.append(len(SPY["calls"]))
+
+    def on_train_end(self, trainer, pl_module):
+        from exact import SPY
+
+        self.at_train_end = len(SPY["calls"])
+        SPY["active"] = False
+
+
+def parse_speed(text: str) -> list[float]:
+    return [float(f) for f in text.split(",")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="eager_sgd", help="a registered name, or 'eager_sgd:<mode>'")
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--straggle-ms", type=float, default=0.0)
+    parser.add_argument("--imbalance-ms", "--straggle-ms", dest="imbalance_ms", type=float, default=0.0)
+    parser.add_argument("--stragglers", type=int, default=1)
+    parser.add_argument("--imbalance-seed", type=int, default=7)
+    parser.add_argument("--speed", type=parse_speed, default=None, help="one factor per rank, e.g. 1,1,0.5,0.25")
+    parser.add_argument("--track", action="store_true", help="add a StalenessTracker")
+    parser.add_argument("--csv", type=Path, default=None, help="CSVLogger directory")
+    parser.add_argument("--wandb", type=Path, default=None, help="wandb_logger save_dir (offline by default)")
+    parser.add_argument("--spy", action="store_true", help="count default-group collectives while batches run")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -62,17 +115,36 @@ def main() -> None:
     x = torch.randn(2048, 8, generator=g)
     y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(2048, 1, generator=g)
     loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
-    model = Regressor(args.straggle_ms, args.devices)
+    model = Regressor()
     model.pid_dir = args.out / "pids"
-    strategy = args.strategy
+    strategy: Any = args.strategy
     if strategy.startswith("eager_sgd:"):  # a configured instance rather than a registry name
         strategy = lightning_partial.EagerSGDStrategy(mode=strategy.split(":", 1)[1])
+
+    probe = Probe() if args.spy else None
+    imbalance = LoadImbalance(
+        delay_ms=args.imbalance_ms, stragglers=args.stragglers, speed=args.speed, seed=args.imbalance_seed
+    )
+    tracker = StalenessTracker() if args.track else None
+    callbacks = [c for c in (probe, imbalance, tracker) if c is not None]
+    loggers: list[Logger] = []
+    if args.csv is not None:
+        loggers.append(CSVLogger(args.csv, name="fit", version=0))
+    wandb = None
+    if args.wandb is not None:
+        from lightning_partial.loggers import wandb_logger
+
+        wandb = wandb_logger(save_dir=args.wandb, name="fit")
+        loggers.append(wandb)
+
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=args.devices,
         max_steps=args.steps,
-        logger=False,
+        callbacks=callbacks,
+        logger=loggers or False,
+        log_every_n_steps=1,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -83,7 +155,32 @@ def main() -> None:
     except SIGTERMException:
         # Every rank is expected here at the same step: the test compares the markers.
         (args.out / f"stopped{trainer.global_rank}").write_text(str(trainer.global_step))
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / f"rank{trainer.global_rank}.pt")
+    if wandb is not None and trainer.is_global_zero:
+        wandb.experiment.finish()  # writes the run's exit record now rather than at interpreter exit
+    rank = trainer.global_rank
+    record: dict[str, Any] = {
+        "rank": rank,
+        "world_size": trainer.world_size,
+        "imbalance": {
+            "delay_ms": imbalance.delay_ms,
+            "stragglers": imbalance.stragglers,
+            "seed": imbalance.seed,
+            "speed": imbalance.speed,
+            "injected_ms": imbalance.injected_ms,
+            "batches": imbalance.batches,
+            "records": [asdict(r) for r in imbalance.records],
+        },
+    }
+    if tracker is not None:
+        record["staleness"] = {str(i): s.as_dict() for i, s in tracker.summary.items()}
+    if probe is not None:
+        from exact import SPY
+
+        record["collectives_at_batch_end"] = probe.at_batch_end
+        record["collectives_at_train_end"] = probe.at_train_end
+        record["collective_names"] = sorted(set(SPY["calls"]))
+    (args.out / f"callbacks{rank}.json").write_text(json.dumps(record, indent=1))
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":
