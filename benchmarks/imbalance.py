@@ -152,6 +152,7 @@ CONFIGS: dict[str, Config] = {
         Config("eager_sgd_majority_imbalanced", "eager_sgd_majority", True, "eager-SGD majority"),
         # Solo with bounded staleness: the accuracy/throughput trade-off the engine offers.
         Config("eager_sgd_s2_imbalanced", "eager_sgd_s2", True, "eager-SGD solo, max_staleness=2"),
+        Config("eager_sgd_contrib_imbalanced", "eager_sgd_contrib", True, "eager-SGD solo, normalize=contributors"),
         Config("no_comm_imbalanced", "no_comm", True, "no communication (bound)"),
     )
 }
@@ -424,6 +425,10 @@ def _make_strategy(config: Config, args: argparse.Namespace) -> Any:
         import lightning_partial
 
         return lightning_partial.EagerSGDStrategy(mode="solo", max_staleness=2)
+    if config.strategy == "eager_sgd_contrib":
+        import lightning_partial
+
+        return lightning_partial.EagerSGDStrategy(mode="solo", normalize="contributors")
     from baselines import NoCommStrategy, PostLocalSGDStrategy
 
     if config.strategy == "post_local_sgd":
