@@ -28,6 +28,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from lightning_partial.collectives import PartialCollectiveError
+
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "lightning_partial"
@@ -39,7 +41,13 @@ def gather_engine_states(
     """Collective on the default group: returns the checkpoint entry on rank 0, ``None`` elsewhere."""
     gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
     if world_size > 1:
-        dist.gather_object(states, gathered, dst=0)
+        try:  # bounded by the default group's timeout (the strategy's ``timeout``)
+            dist.gather_object(states, gathered, dst=0)
+        except Exception as err:  # a dead or stalled rank: say which rank and which round
+            step = next((int(s["step"]) for s in states.values()), None)
+            raise PartialCollectiveError(
+                f"gathering the engines' state for a checkpoint failed: {err}", rank=rank, round_index=step
+            ) from err
     else:
         gathered = [states]
     if rank != 0:
