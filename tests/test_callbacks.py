@@ -432,7 +432,9 @@ def test_tracker_summary_agrees_across_ranks(fit4: Path) -> None:
     # Every step's round, then the final flush (synchronous), which the tracker counts at on_fit_end.
     assert s["rounds"] == STEPS + 1 and s["last_round"] == STEPS and s["synchronous"] >= 1
     assert set(s["activators"]) <= {"-1", "0", "1", "2", "3"}
-    assert STEPS + 1 <= s["fresh_total"] <= 4 * (STEPS + 1)
+    # Each step's round has at least its activator fresh; the final flush carries no fresh
+    # gradient (flush() is called without tensors), so it adds 0.
+    assert STEPS <= s["fresh_total"] <= 4 * STEPS
 
 
 def test_csv_log_has_every_partial_metric_at_every_step(fit4: Path) -> None:
