@@ -139,6 +139,9 @@ class Config:
     strategy: str  # "ddp", "eager_sgd", "eager_sgd_majority", "post_local_sgd" or "no_comm"
     imbalanced: bool
     label: str
+    # Keyword arguments of a configured strategy object (``EagerSGDStrategy(**options)``);
+    # empty: the registry name ``strategy`` as a user would write it.
+    options: tuple[tuple[str, Any], ...] = ()
 
 
 CONFIGS: dict[str, Config] = {
@@ -151,8 +154,14 @@ CONFIGS: dict[str, Config] = {
         Config("eager_sgd_imbalanced", "eager_sgd", True, "eager-SGD solo"),
         Config("eager_sgd_majority_imbalanced", "eager_sgd_majority", True, "eager-SGD majority"),
         # Solo with bounded staleness: the accuracy/throughput trade-off the engine offers.
-        Config("eager_sgd_s2_imbalanced", "eager_sgd_s2", True, "eager-SGD solo, max_staleness=2"),
-        Config("eager_sgd_contrib_imbalanced", "eager_sgd_contrib", True, "eager-SGD solo, normalize=contributors"),
+        Config("eager_sgd_s2_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=2", (("max_staleness", 2),)),
+        Config(
+            "eager_sgd_contrib_imbalanced", "eager_sgd", True, "eager-SGD solo, normalize=contributors",
+            (("normalize", "contributors"),),
+        ),
+        Config("eager_sgd_s1_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=1", (("max_staleness", 1),)),
+        Config("wagma_sgd_imbalanced", "wagma_sgd", True, "WAGMA-SGD (S=2, tau=10)"),
+        Config("ds_sync_imbalanced", "ds_sync", True, "DS-Sync (G=2)"),
         Config("no_comm_imbalanced", "no_comm", True, "no communication (bound)"),
     )
 }
@@ -419,16 +428,13 @@ def _lightning_parts() -> tuple[type, type]:
 
 def _make_strategy(config: Config, args: argparse.Namespace) -> Any:
     """The strategy object (or registry name) of ``config``."""
-    if config.strategy in ("ddp", "eager_sgd", "eager_sgd_majority"):
+    if config.options:
+        import lightning_partial
+
+        mode = "majority" if config.strategy == "eager_sgd_majority" else "solo"
+        return lightning_partial.EagerSGDStrategy(**{"mode": mode, **dict(config.options)})
+    if config.strategy in ("ddp", "eager_sgd", "eager_sgd_majority", "wagma_sgd", "ds_sync"):
         return config.strategy  # registry names, as a user would write them (gloo on CPU)
-    if config.strategy == "eager_sgd_s2":
-        import lightning_partial
-
-        return lightning_partial.EagerSGDStrategy(mode="solo", max_staleness=2)
-    if config.strategy == "eager_sgd_contrib":
-        import lightning_partial
-
-        return lightning_partial.EagerSGDStrategy(mode="solo", normalize="contributors")
     from baselines import NoCommStrategy, PostLocalSGDStrategy
 
     if config.strategy == "post_local_sgd":
@@ -616,6 +622,12 @@ def _replica_check(config: Config, ranks: list[dict], args: argparse.Namespace) 
     elif config.strategy == "no_comm":
         expected = [False] * n
         rule = "never identical (no communication)"
+    elif config.strategy == "wagma_sgd":
+        expected = [(i + 1) % 10 == 0 for i in range(n)]
+        rule = "identical after every 10th step (global average, tau=10); within groups otherwise"
+    elif config.strategy == "ds_sync":
+        expected = [False] * n
+        rule = "identical only after the final average (no periodic global average)"
     else:
         expected = [True] * n
         rule = "identical after every step"
@@ -746,7 +758,11 @@ def goal_figures(results: dict[str, dict]) -> list[dict[str, Any]]:
             ">= 0.85",
         ),
     ]
-    for name in ("eager_sgd_balanced", "eager_sgd_imbalanced", "eager_sgd_majority_imbalanced"):
+    for name in ("wagma_sgd_imbalanced", "ds_sync_imbalanced"):
+        rows.append((f"{name} throughput / DDP's", ratio(median(name, "samples_per_s_total"),
+                     median("ddp_imbalanced", "samples_per_s_total")), ">= 1.5"))
+    for name in ("eager_sgd_balanced", "eager_sgd_imbalanced", "eager_sgd_majority_imbalanced",
+                 "eager_sgd_s1_imbalanced", "wagma_sgd_imbalanced", "ds_sync_imbalanced"):
         if name in results and results[name].get("ratios"):
             rows.append(
                 (f"{name} test accuracy - DDP's (points)", results[name]["ratios"]["test_acc_minus_ddp_points"], "within +-1")

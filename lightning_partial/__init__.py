@@ -9,13 +9,14 @@ from lightning_partial.collectives import (
     RoundStats,
 )
 
-from lightning_partial.strategies import EagerSGDStrategy, register_strategies
+from lightning_partial.strategies import DSSyncStrategy, EagerSGDStrategy, WAGMAStrategy, register_strategies
 
 __version__ = "0.1.0"
 
-register_strategies()  # "eager_sgd", "eager_sgd_majority" and their spawn variants; idempotent
+register_strategies()  # eager_sgd, eager_sgd_majority, wagma_sgd, ds_sync and their spawn variants; idempotent
 
 __all__ = [
+    "DSSyncStrategy",
     "EagerSGDStrategy",
     "PartialAllreduce",
     "PartialAllreduceConfig",
@@ -23,5 +24,6 @@ __all__ = [
     "PartialCollectiveTimeout",
     "RoundResult",
     "RoundStats",
+    "WAGMAStrategy",
     "__version__",
 ]

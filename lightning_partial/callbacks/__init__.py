@@ -1,9 +1,10 @@
-"""Lightning callbacks for straggler experiments: inject imbalance, track staleness.
+"""Lightning callbacks for straggler experiments: inject imbalance, track staleness, rotate groups.
 
-Neither callback issues a collective: both act and log per rank.
+No callback issues a collective: each acts and logs per rank.
 """
 
+from lightning_partial.callbacks.group_rotation import GroupRecord, GroupRotation
 from lightning_partial.callbacks.load_imbalance import ImbalanceRecord, LoadImbalance, draw_stragglers
 from lightning_partial.callbacks.staleness import StalenessSummary, StalenessTracker
 
-__all__ = ["ImbalanceRecord", "LoadImbalance", "StalenessSummary", "StalenessTracker", "draw_stragglers"]
+__all__ = ["GroupRecord", "GroupRotation", "ImbalanceRecord", "LoadImbalance", "StalenessSummary", "StalenessTracker", "draw_stragglers"]

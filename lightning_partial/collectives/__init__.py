@@ -10,10 +10,18 @@ from lightning_partial.collectives.errors import (
     PartialCollectiveError,
     PartialCollectiveTimeout,
 )
+from lightning_partial.collectives.group_average import GroupAverage, apply_average
+from lightning_partial.collectives.schedules import ButterflySchedule, Schedule, ShuffleSchedule, SwitchingSchedule
 from lightning_partial.collectives.stats import RoundStats
 from lightning_partial.collectives.store import create_store
 
 __all__ = [
+    "ButterflySchedule",
+    "GroupAverage",
+    "Schedule",
+    "ShuffleSchedule",
+    "SwitchingSchedule",
+    "apply_average",
     "EngineClosedError",
     "PartialAllreduce",
     "PartialAllreduceConfig",

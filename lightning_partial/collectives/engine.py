@@ -80,6 +80,8 @@ class RoundResult:
     tensors: list[Tensor]
     stats: RoundStats
     buffers: list[Tensor] = dataclasses.field(default_factory=list, repr=False)
+    # GroupAverage only: this rank's own contribution to the round (read-only views).
+    sent: list[Tensor] = dataclasses.field(default_factory=list, repr=False)
     layout: Optional[TensorLayout] = dataclasses.field(default=None, repr=False, compare=False)
 
     def release(self) -> None:
@@ -299,6 +301,13 @@ class PartialAllreduce:
                     except Exception:  # not every backend supports abort
                         pass
                 log.warning("rank %d: the communication thread did not stop within %.1fs", self.rank, timeout)
+        if self.backend == "nccl" and (thread is None or not thread.is_alive()):  # pragma: no cover - needs GPUs
+            # Release the engine's NCCL communicators now rather than at garbage collection
+            # (torch warns about a ProcessGroupNCCL destroyed without shutdown).
+            try:
+                self._data_pg.shutdown()
+            except Exception as err:  # older torch, or already aborted
+                log.debug("rank %d: NCCL group shutdown: %s", self.rank, err)
 
     def __enter__(self) -> "PartialAllreduce":
         return self
@@ -502,10 +511,10 @@ class PartialAllreduce:
                     deposits, self._pending = self._pending, []
                     self._snapshotted = r
                     row = torch.zeros(self.world_size, _HEADER_WIDTH, dtype=torch.int64)
-                    row[self.rank, _COUNT] = len(deposits)
-                    if deposits:
-                        row[self.rank, _NEWEST] = max(d.step for d in deposits) + 1
-                        row[self.rank, _OLDEST] = min(d.step for d in deposits) + 1
+                    count, newest, oldest = self._describe_contribution(deposits)
+                    row[self.rank, _COUNT] = count
+                    row[self.rank, _NEWEST] = newest + 1
+                    row[self.rank, _OLDEST] = oldest + 1
                     row[self.rank, _ACTIVATED] = int(r in self._activated_here)
                     self._activated_here.discard(r)
                     row[self.rank, _FLUSH] = int(self._flush_round == r)
@@ -547,6 +556,37 @@ class PartialAllreduce:
                     raise PartialCollectiveTimeout(f"timed out after {timeout:g}s: {what}", rank=self.rank, round_index=r)
                 self._cond.wait(timeout=remaining)
 
+    # Hooks for engines that exchange something else than a global sum of
+    # gradients (GroupAverage): what a rank contributes, which data collectives
+    # a round issues, and how their outcome becomes the round's result.
+    def _describe_contribution(self, deposits: list[_Deposit]) -> tuple[int, int, int]:
+        """Header columns of this rank's contribution: (count, newest step, oldest step); steps -1 if none."""
+        if not deposits:
+            return 0, -1, -1
+        return len(deposits), max(d.step for d in deposits), min(d.step for d in deposits)
+
+    def _send_buffer(self, deposits: list[_Deposit]) -> list[Tensor]:
+        """The flat buffers this rank contributes to the round (reduced in place)."""
+        return self._sum_deposits(deposits)
+
+    def _start_data(self, r: int, flats: list[Tensor], *, global_round: bool) -> tuple[list[tuple[Any, str]], Any]:
+        """Starts the round's data collectives; returns the works to wait for and a context for :meth:`_finish_data`."""
+        return [(self._start(self._data_pg, flat, r, "data"), "data") for flat in flats], None
+
+    def _finish_data(
+        self, r: int, flats: list[Tensor], context: Any, header: Tensor, *, global_round: bool
+    ) -> tuple[list[Tensor], float, dict[str, Any]]:
+        """After the collectives: the result's flat buffers, the divisor applied, extra ``RoundStats`` fields."""
+        counts = header[:, _COUNT].tolist()
+        total = int(sum(counts))
+        normalize = self.config.normalize
+        divisor = float(self.world_size if normalize == "world" else max(total, 1) if normalize == "contributors" else 1)
+        if divisor != 1.0:
+            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+                for flat in flats:
+                    flat.div_(divisor)
+        return flats, divisor, {}
+
     def _reduce(self, r: int, header: Tensor, deposits: list[_Deposit], *, began: float, activated: float) -> RoundResult:
         """Issues the round's allreduces: the header on the gloo group, the data on the data group.
 
@@ -554,7 +594,11 @@ class PartialAllreduce:
         header adds little latency. In pure ``sync`` mode only the final flush
         carries a header.
         """
-        flats = self._sum_deposits(deposits)
+        flats = self._send_buffer(deposits)
+        # Whether every rank takes part in the data collective with the same role
+        # (GroupAverage: a global average). Known locally: the flush round is the
+        # same step on every rank (checked below), sync_every rounds are fixed.
+        global_round = bool(header[self.rank, _FLUSH]) or self.config.is_sync_round(r)
         works = []
         if self.config.mode == "sync" and not header[self.rank, _FLUSH]:
             # Pure sync mode: every rank contributed exactly its fresh gradient,
@@ -564,7 +608,8 @@ class PartialAllreduce:
             header[:, _NEWEST] = header[:, _OLDEST] = header[:, _PROGRESS] = r + 1
         else:
             works.append((self._start(self._header_pg, header, r, "header"), "header"))
-        works += [(self._start(self._data_pg, flat, r, "data"), "data") for flat in flats]
+        data_works, context = self._start_data(r, flats, global_round=global_round)
+        works += data_works
         for work, what in works:
             self._finish(work, r, what)
 
@@ -581,12 +626,7 @@ class PartialAllreduce:
             )
         activators = [i for i, a in enumerate(header[:, _ACTIVATED].tolist()) if a]
         total = int(sum(counts))
-        normalize = self.config.normalize
-        divisor = float(self.world_size if normalize == "world" else max(total, 1) if normalize == "contributors" else 1)
-        if divisor != 1.0:
-            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-                for flat in flats:
-                    flat.div_(divisor)
+        flats, divisor, extra = self._finish_data(r, flats, context, header, global_round=global_round)
         if self._stream is not None:  # pragma: no cover - needs GPUs
             event = torch.cuda.Event()
             event.record(self._stream)
@@ -609,6 +649,7 @@ class PartialAllreduce:
             divisor=divisor,
             activation_latency=activated - began,
             activated_at=activated,
+            **extra,
         )
         tensors = self.layout.unflatten(flats)
         return RoundResult(round_index=r, tensors=tensors, stats=stats, buffers=flats, layout=self.layout)
@@ -650,10 +691,21 @@ class PartialAllreduce:
 
     def _finish(self, work: Any, r: int, what: str) -> None:
         timeout = self.config.timeout
+        pg_is_data = what not in ("header", "consensus distance")  # those run on the gloo header group
         try:
             if self._stream is not None:  # pragma: no cover - needs GPUs
                 with torch.cuda.stream(self._stream):
-                    completed = work.wait(timeout)  # orders the side stream after the collective
+                    if self.backend == "nccl" and pg_is_data:
+                        # wait() only orders the side stream after the kernel. NCCL's
+                        # wait(timeout) would block this thread until the kernel has run,
+                        # i.e. until the caller's compute stream has drained (measured on
+                        # an H100: arrive took the 200 ms of a pending kernel). A stalled
+                        # peer is still bounded: the group's options._timeout (= the
+                        # config's timeout) arms NCCL's watchdog.
+                        work.wait()
+                        completed = True
+                    else:
+                        completed = work.wait(timeout)
             else:
                 completed = work.wait(timeout)
         except Exception as err:

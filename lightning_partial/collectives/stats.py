@@ -39,6 +39,13 @@ class RoundStats:
         activated_at: ``time.monotonic()`` on this rank when its communication
             thread saw the activation (a system-wide clock on one machine: the
             benchmarks compare it across ranks to measure activation latency).
+        arrived_at: ``time.monotonic()`` when this rank's caller arrived.
+        group: group averaging (:class:`~lightning_partial.collectives.GroupAverage`)
+            only: the members of this rank's group in the round (all ranks in a
+            global round); ``None`` for a partial allreduce.
+        group_id: the index of that group in the schedule's partition (``-1``: global).
+        consensus: the consensus distance of the contributed models, measured in
+            this round (``mean_i ||w_i - mean||^2`` over all ranks), or ``None``.
     """
 
     round_index: int
@@ -59,6 +66,9 @@ class RoundStats:
     activation_latency: float = 0.0
     activated_at: float = 0.0
     arrived_at: Optional[float] = None
+    group: Optional[tuple[int, ...]] = None
+    group_id: Optional[int] = None
+    consensus: Optional[float] = None
 
     @property
     def max_staleness(self) -> int:

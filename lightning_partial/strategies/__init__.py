@@ -1,6 +1,10 @@
-"""Lightning strategies over the partial-collective engine."""
+"""Lightning strategies over the partial-collective engines."""
 
+from lightning_partial.strategies.ds_sync import DSSyncStrategy
 from lightning_partial.strategies.eager_sgd import EagerSGDStrategy
+from lightning_partial.strategies.model_averaging import ModelAveragingStrategy
+from lightning_partial.strategies.partial import PartialStrategy
+from lightning_partial.strategies.wagma import WAGMAStrategy
 
 
 def register_strategies() -> None:
@@ -8,6 +12,15 @@ def register_strategies() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
     EagerSGDStrategy.register_strategies(StrategyRegistry)
+    WAGMAStrategy.register_strategies(StrategyRegistry)
+    DSSyncStrategy.register_strategies(StrategyRegistry)
 
 
-__all__ = ["EagerSGDStrategy", "register_strategies"]
+__all__ = [
+    "DSSyncStrategy",
+    "EagerSGDStrategy",
+    "ModelAveragingStrategy",
+    "PartialStrategy",
+    "WAGMAStrategy",
+    "register_strategies",
+]

@@ -1,33 +1,18 @@
-"""EagerSGDStrategy: data-parallel training over the partial-collective engine.
+"""EagerSGDStrategy: data-parallel training over the partial-allreduce engine.
 
-Contract (threads and collectives):
+Contract (threads and collectives): see :mod:`lightning_partial.strategies.partial`
+for set-up, SIGTERM, checkpoints and the end of fit, common to every strategy.
+Specific to eager-SGD:
 
-* Set-up (every rank, main thread, default group): the process group is
-  initialised as in ``DDPStrategy``; rank 0's parameters and buffers are
-  broadcast once. At ``on_train_start`` (after Lightning restored a
-  checkpoint): a dedicated ``TCPStore`` is created (its address broadcast
-  once); one :class:`~lightning_partial.collectives.PartialAllreduce` per
-  optimizer loads its checkpointed state, if any, and starts its
-  communication thread.
 * Each optimizer step (main thread): after the closure's backward and before
   gradient clipping and ``optimizer.step``, the gradients of the optimizer's
   parameters are handed to the engine (``arrive``); the round's result replaces
-  them. No collective runs on the default group per step: the engine's
-  communication thread issues the round's allreduces on the engine's groups,
-  and Lightning's per-batch SIGTERM broadcast is replaced by a local flag.
-* SIGTERM on any rank: the strategy's handler asks the engines to stop; the
-  request travels in the next round's header, so every rank learns it in the
-  same round ``R``, and every rank raises ``SIGTERMException`` at the start of
-  its next batch, with no round after ``R`` left waiting. (In pure ``sync``
-  mode, Lightning's own handling is kept.)
+  them. The engine's communication thread issues the round's allreduces.
 * End of fit (main thread): ``flush()`` runs the final synchronous round on
   every engine; its result (carried gradients) is applied with one more
   optimizer step, so nothing computed is lost and all replicas end identical.
-* Checkpoints (every rank, main thread, default group): ``save_checkpoint``
-  gathers every rank's engine state (round counter, initiator RNG, pending
-  carried gradients) into rank 0's file with one ``gather_object``; a resumed
-  fit gives each rank its own state back, so no computed gradient is lost.
-* Validation, test and predict never touch the engine.
+* Checkpoints carry each engine's round counter, initiator RNG and pending
+  carried gradients, so no computed gradient is lost across a resume.
 """
 
 from __future__ import annotations
@@ -41,26 +26,18 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
+from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_partial import _compat
-from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundStats, create_store
-from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, gather_engine_states, state_for_rank
+from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundStats
+from lightning_partial.strategies.partial import PartialStrategy
 
 log = logging.getLogger(__name__)
 
 
-class EagerSGDStrategy(ParallelStrategy):
+class EagerSGDStrategy(PartialStrategy):
     """Eager-SGD: gradients averaged by partial allreduce (solo, majority, quorum, sync).
 
     Args:
@@ -74,6 +51,8 @@ class EagerSGDStrategy(ParallelStrategy):
     The strategy object holds no thread and no group until ``setup``: it can be
     pickled (``"eager_sgd_spawn"``).
     """
+
+    strategy_name = "eager_sgd"
 
     def __init__(
         self,
@@ -100,9 +79,10 @@ class EagerSGDStrategy(ParallelStrategy):
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
+            timeout=timeout,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
         )
-        if start_method not in ("popen", "spawn"):
-            raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
         self.partial_config = PartialAllreduceConfig(
             mode=mode,  # type: ignore[arg-type]
             quorum=quorum,
@@ -114,161 +94,16 @@ class EagerSGDStrategy(ParallelStrategy):
             timeout=timeout,
             name="eager_sgd",
         )
-        self._num_nodes = 1
-        self._timeout = timeout
-        self._process_group_backend = process_group_backend
-        self._start_method = start_method
-        # Created in setup(), never in __init__: the strategy must stay picklable.
-        self._engines: dict[int, PartialAllreduce] = {}
-        self._params: dict[int, list[torch.nn.Parameter]] = {}
-        self._store: Optional[dist.Store] = None
-        self._stopped = False  # a round carried a stop request: every rank stops at it
-        self._previous_sigterm_handler: Any = None
-        self._resume_state: Optional[dict[str, Any]] = None  # from load_checkpoint, consumed at start
-        self._final_states: dict[int, dict[str, Any]] = {}  # engine states after the final flush
-        # The latest round's statistics per optimizer index (read by StalenessTracker).
-        self.round_stats: dict[int, RoundStats] = {}
-
-    # ------------------------------------------------------------ topology
-    @property
-    def is_distributed(self) -> bool:
-        """Read by Lightning's accelerator connector: inject a ``DistributedSampler`` as under DDP."""
-        return True
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
 
     @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = _compat._SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _compat._MultiProcessingLauncher(self, start_method=self._start_method)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self.setup_distributed()
-
-    def setup_distributed(self) -> None:
-        _compat.reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = (
-            self._process_group_backend or _compat._get_default_process_group_backend_for_device(self.root_device)
+    def _build_engine(self, index: int, params: list[torch.nn.Parameter], store: dist.Store) -> PartialAllreduce:
+        return PartialAllreduce(
+            replace(self.partial_config, name=f"eager_sgd-{index}"),
+            store=store,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            like=params,
         )
-        assert self.cluster_environment is not None
-        _compat._init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
-    # --------------------------------------------------------------- set-up
-    @override
-    def setup(self, trainer: "pl.Trainer") -> None:
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        self.check_precision()
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self._layer_sync:
-            self.model = self._layer_sync.apply(self.model)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        # Identical initial weights: one broadcast from rank 0 at set-up, never per step.
-        _compat._sync_module_states(self.model)
-        if fitting:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if fitting:
-            _compat._optimizers_to_device(self.optimizers, self.root_device)
-            # Fails here, before any process is busy training, if P does not suit the mode.
-            self.partial_config.validate_world(self.world_size)
-
-    def check_precision(self) -> None:
-        """Refuses a gradient scaler (``precision="16-mixed"``) with a clear error."""
-        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
-            # The GradScaler skips a step on a rank whose *local* gradients overflow:
-            # with partial averaging ranks would then apply different updates.
-            raise ValueError(
-                "EagerSGDStrategy does not support precision='16-mixed' (its gradient scaler decides per rank "
-                "whether to skip a step, which would make the replicas diverge): use '32-true', 'bf16-mixed' "
-                "or 'bf16-true'"
-            )
-
-    def _start_engines(self, trainer: "pl.Trainer") -> None:
-        """Collective (every rank, main thread): the store, one engine per optimizer, their threads.
-
-        Runs at ``on_train_start``, after Lightning restored a checkpoint's
-        training state, because an engine's state must be loaded before it starts.
-        """
-        self._store = create_store(timeout=self._timeout)
-        resume = self._resume_state
-        self._resume_state = None
-        for index, optimizer in enumerate(self.optimizers):
-            params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-            if not params:
-                continue
-            engine = PartialAllreduce(
-                replace(self.partial_config, name=f"eager_sgd-{index}"),
-                store=self._store,
-                rank=self.global_rank,
-                world_size=self.world_size,
-                like=params,
-            )
-            if resume is not None and index in resume["engines"]:
-                engine.load_state_dict(
-                    state_for_rank(resume["engines"][index], rank=self.global_rank, world_size=self.world_size)
-                )
-            self._engines[index] = engine.start()
-            self._params[index] = params
-        if self.partial_config.mode != "sync":
-            # A globally synchronous step costs the broadcast nothing extra: keep
-            # Lightning's own SIGTERM handling in pure sync mode.
-            _compat.replace_sigterm_broadcast(trainer, lambda: self._stopped)
-
-    @override
-    def on_train_start(self) -> None:
-        assert self.lightning_module is not None
-        self._start_engines(self.lightning_module.trainer)
-        # Lightning registers its SIGTERM handler after strategy.setup(); replace it
-        # here. Its handler broadcasts from rank 0 inside the handler and marks the
-        # rank as stopping at the end of the batch, alone: a rank that stops alone
-        # leaves the others waiting in rounds that need its communication thread.
-        if self._engines and self.partial_config.mode != "sync":
-            self._previous_sigterm_handler = _compat.install_sigterm_handler(self._on_sigterm)
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        """SIGTERM: ask every rank to stop at the same round (via the engines' round header)."""
-        log.info("rank %d: received SIGTERM; every rank stops at the next round", self.global_rank)
-        for engine in self._engines.values():
-            engine.request_stop()
 
     # ------------------------------------------------------------- training
     @override
@@ -290,13 +125,6 @@ class EagerSGDStrategy(ParallelStrategy):
 
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
 
-    def _optimizer_index(self, optimizer: Optimizer) -> int:
-        inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-        for i, opt in enumerate(self.optimizers):
-            if opt is inner or opt is optimizer:
-                return i
-        raise ValueError("optimizer_step() got an optimizer that the strategy did not set up")
-
     def _synchronise(self, index: int) -> None:
         params = self._params[index]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -307,101 +135,20 @@ class EagerSGDStrategy(ParallelStrategy):
             else:
                 p.grad.copy_(g)
         result.release()
-        self.round_stats[index] = result.stats
-        if result.stats.stop:
-            self._stopped = True  # the next batch start raises SIGTERMException on every rank
+        self._record(index, result.stats)
 
     @override
-    def on_train_end(self) -> None:
-        """The final flush: carried gradients are applied, replicas end identical."""
-        if self._stopped:  # stopped by SIGTERM: the engines already ended at the same round
-            self._close_engines()
-            return
-        for index, engine in list(self._engines.items()):
-            result = engine.flush()
-            self._final_states[index] = engine.state_dict()  # nothing pending: for a checkpoint after fit
-            self.round_stats[index] = result.stats
-            if result.stats.contributions:
-                optimizer = self.optimizers[index]
-                for p, g in zip(self._params[index], result.tensors):
-                    p.grad = g.clone()
-                optimizer.step()
-                optimizer.zero_grad()
-            result.release()
-        self._close_engines()
-
-    def _close_engines(self) -> None:
-        if self._previous_sigterm_handler is not None:
-            _compat.restore_sigterm_handler(self._previous_sigterm_handler)
-            self._previous_sigterm_handler = None
-        for engine in self._engines.values():
-            engine.close()
-        self._engines.clear()
-        self._params.clear()
-
-    # ---------------------------------------------------------- checkpoints
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
-    ) -> None:
-        """Every rank: its engines' state (round, RNG, pending gradients) is gathered into rank 0's file.
-
-        One ``gather_object`` on the default group per checkpoint (see
-        :mod:`lightning_partial.strategies.checkpoint` for why the cut is consistent).
-        """
-        states = {i: e.state_dict() for i, e in self._engines.items()} or dict(self._final_states)
-        if states and _compat._distributed_is_initialized():
-            entry = gather_engine_states(
-                states, rank=self.global_rank, world_size=self.world_size, strategy="eager_sgd"
-            )
-            if entry is not None:
-                checkpoint[CHECKPOINT_KEY] = entry
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Keeps the engines' state of a checkpoint for the engines created at ``on_train_start``."""
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._resume_state = checkpoint.get(CHECKPOINT_KEY)
-        if self._resume_state is None:
-            log.info("the checkpoint holds no engine state (not written by eager_sgd): the engines start afresh")
-        return checkpoint
-
-    # ---------------------------------------------------------- collectives
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _compat._distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _compat._distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=_compat._group.WORLD)
-        return box[0]
-
-    @override
-    def reduce(
-        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
-    ) -> Tensor:
-        if isinstance(tensor, Tensor):
-            return _compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
-
-    @override
-    def teardown(self) -> None:
-        self._close_engines()
-        super().teardown()
+    def _final_round(self, index: int, engine: PartialAllreduce) -> RoundStats:
+        """The final flush; its result (carried gradients) is applied with one more optimizer step."""
+        result = engine.flush()
+        if result.stats.contributions:
+            optimizer = self.optimizers[index]
+            for p, g in zip(self._params[index], result.tensors):
+                p.grad = g.clone()
+            optimizer.step()
+            optimizer.zero_grad()
+        result.release()
+        return result.stats
 
     # -------------------------------------------------------------- registry
     @classmethod

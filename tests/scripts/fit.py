@@ -38,7 +38,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_partial  # noqa: F401 - registers the strategies
-from lightning_partial.callbacks import LoadImbalance, StalenessTracker
+from lightning_partial.callbacks import GroupRotation, LoadImbalance, StalenessTracker
 
 
 class Regressor(L.LightningModule):
@@ -107,6 +107,8 @@ def main() -> None:
     parser.add_argument("--csv", type=Path, default=None, help="CSVLogger directory")
     parser.add_argument("--wandb", type=Path, default=None, help="wandb_logger save_dir (offline by default)")
     parser.add_argument("--spy", action="store_true", help="count default-group collectives while batches run")
+    parser.add_argument("--rotation", type=int, default=None, help="add a GroupRotation(consensus_every=N)")
+    parser.add_argument("--strategy-kw", default="{}", help="JSON keyword arguments of a configured strategy")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -120,13 +122,19 @@ def main() -> None:
     strategy: Any = args.strategy
     if strategy.startswith("eager_sgd:"):  # a configured instance rather than a registry name
         strategy = lightning_partial.EagerSGDStrategy(mode=strategy.split(":", 1)[1])
+    kw = json.loads(args.strategy_kw)
+    if kw:
+        classes = {"eager_sgd": lightning_partial.EagerSGDStrategy, "wagma_sgd": lightning_partial.WAGMAStrategy,
+                   "ds_sync": lightning_partial.DSSyncStrategy}
+        strategy = classes[args.strategy](**kw)
 
     probe = Probe() if args.spy else None
     imbalance = LoadImbalance(
         delay_ms=args.imbalance_ms, stragglers=args.stragglers, speed=args.speed, seed=args.imbalance_seed
     )
     tracker = StalenessTracker() if args.track else None
-    callbacks = [c for c in (probe, imbalance, tracker) if c is not None]
+    rotation = GroupRotation(consensus_every=args.rotation) if args.rotation is not None else None
+    callbacks = [c for c in (probe, imbalance, tracker, rotation) if c is not None]
     loggers: list[Logger] = []
     if args.csv is not None:
         loggers.append(CSVLogger(args.csv, name="fit", version=0))
@@ -171,6 +179,8 @@ def main() -> None:
             "records": [asdict(r) for r in imbalance.records],
         },
     }
+    if rotation is not None:
+        record["groups"] = [asdict(r) for r in rotation.history]
     if tracker is not None:
         record["staleness"] = {str(i): s.as_dict() for i, s in tracker.summary.items()}
     if probe is not None:

@@ -1,0 +1,263 @@
+"""GroupAverage: wait-avoiding group model averaging (WAGMA-SGD, DS-Sync) over the engine's rounds.
+
+The rounds, their activation (solo, majority, quorum, sync, ``sync_every``,
+``max_staleness``), the round header, ``request_stop`` and the final flush are
+:class:`~lightning_partial.collectives.PartialAllreduce`'s. What differs:
+
+* **What a rank contributes.** Its *model* as of its latest arrival (the send
+  buffer). A newer arrival replaces it; when the rank has not arrived since
+  the previous round, its communication thread contributes the same model
+  again (stale). Before the first arrival, the model the engine was built from.
+* **Which data collectives run.** In a group round, point-to-point send/recv
+  within the round's group, from the :class:`~lightning_partial.collectives.schedules.Schedule`
+  (a pure function of the round index), over the engine's own data process
+  group. Every member sums the S received models in member order, so all
+  members get bit-identical sums. In a global round (``sync_every``, the
+  final flush): an allreduce of the models over all ranks.
+
+Why point-to-point and not one process group per group: a shuffled partition
+(DS-Sync) cannot be pre-created (there are P!/((P/G)!^G G!) of them), and
+creating a group per round costs a store rendezvous per round. Send/recv over
+the one data group needs no group creation after ``start()``; for the butterfly
+(S = 2) it is also the optimal exchange (one send and one receive per rank).
+Pairs exchange in one global order (lower rank sends first), which cannot
+deadlock even with NCCL's blocking sends.
+
+Threads and collectives (the contract): the caller's thread calls
+:meth:`GroupAverage.arrive` with its model after each local step and applies
+the result with :func:`apply_average`; it never issues a collective. The
+communication thread runs every round: the int64 header allreduce on the
+gloo header group (all ranks), then the group's send/recv (or the global
+allreduce) on the data group, and, in rounds that measure the consensus
+distance, one more allreduce of the models and one float64 scalar allreduce.
+
+Consensus distance: ``mean_i ||w_i - mean_j w_j||^2`` over the models the
+ranks contributed to a round; measured in every global round and every
+``measure_every`` rounds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_partial.collectives.config import PartialAllreduceConfig
+from lightning_partial.collectives.engine import PartialAllreduce, RoundResult, Tensors, _Deposit
+from lightning_partial.collectives.schedules import Schedule
+
+log = logging.getLogger(__name__)
+
+Normalization = Literal["group", "reference"]
+NORMALIZATIONS: tuple[str, ...] = ("group", "reference")
+LatePolicy = Literal["carry", "drop"]
+
+
+class GroupAverage(PartialAllreduce):
+    """Model averaging in groups that change every round (see the module docstring).
+
+    Args:
+        config: the rounds' activation and bounds. ``normalize`` must be
+            ``"sum"`` (the engine returns group sums; :func:`apply_average`
+            normalises) and ``late`` must be ``"carry"`` (a late model is the
+            next send buffer, never dropped). ``sync_every=tau`` makes every
+            tau-th round a global average.
+        schedule: the groups of every round; built for ``world_size`` ranks.
+        store, rank, world_size, backend: as for :class:`PartialAllreduce`.
+        like: the model's tensors; their *values* at construction are the
+            send buffer until the first arrival.
+        measure_every: measure the consensus distance every ``n`` rounds
+            (rounds ``n-1, 2n-1, ...``) besides every global round; ``None``:
+            global rounds only.
+    """
+
+    def __init__(
+        self,
+        config: PartialAllreduceConfig,
+        *,
+        schedule: Schedule,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        like: Tensors,
+        backend: Optional[str] = None,
+        measure_every: Optional[int] = None,
+    ) -> None:
+        if not isinstance(schedule, Schedule):
+            raise ValueError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+        if isinstance(config, PartialAllreduceConfig):
+            if config.normalize != "sum":
+                raise ValueError(
+                    f"GroupAverage returns group sums: config.normalize must be 'sum', got {config.normalize!r} "
+                    "(normalise with apply_average)"
+                )
+            if config.late != "carry":
+                raise ValueError(
+                    f"GroupAverage needs late='carry' (a late model is the next send buffer), got {config.late!r}"
+                )
+        schedule.check_world(world_size)
+        if measure_every is not None and (
+            isinstance(measure_every, bool) or not isinstance(measure_every, int) or measure_every < 1
+        ):
+            raise ValueError(f"measure_every must be an integer >= 1 or None, got {measure_every!r}")
+        super().__init__(config, store=store, rank=rank, world_size=world_size, like=like, backend=backend)
+        if self.backend == "gloo" and self._cuda_device is not None:
+            raise ValueError("GroupAverage exchanges CUDA tensors point-to-point with backend='nccl' only")
+        self.schedule = schedule
+        self.measure_every = measure_every
+        # The send buffer: the model as of the latest arrival whose round was taken.
+        # Owned by the communication thread once started; never recycled (a caller
+        # may still read it as a round's ``sent``).
+        self._last_sent: list[Tensor] = self.layout.flatten(self._as_list(like))
+        if self._cuda_device is not None:  # pragma: no cover - needs GPUs
+            # Once, at construction: the side stream may read this buffer before any event exists.
+            torch.cuda.current_stream(self._cuda_device).synchronize()
+        self._last_sent_step = -1
+        self._round_sent: list[Tensor] = self._last_sent
+
+    def start(self) -> "GroupAverage":
+        self._last_sent_step = self._step - 1  # the model the engine was built from: after step - 1
+        super().start()
+        return self
+
+    # ------------------------------------------------------------ hooks
+    def _describe_contribution(self, deposits: list[_Deposit]) -> tuple[int, int, int]:
+        # Exactly one model per rank and round; its step says how stale it is.
+        step = max(d.step for d in deposits) if deposits else self._last_sent_step
+        return 1, step, step
+
+    def _send_buffer(self, deposits: list[_Deposit]) -> list[Tensor]:
+        if deposits:
+            newest = max(deposits, key=lambda d: d.step)
+            for d in deposits:
+                if d is not newest:
+                    self.layout.recycle(d.flats)  # older models of this rank: superseded
+            if self._stream is not None and newest.ready is not None:  # pragma: no cover - needs GPUs
+                self._stream.wait_event(newest.ready)
+                for f in newest.flats:
+                    f.record_stream(self._stream)
+            self._last_sent, self._last_sent_step = newest.flats, newest.step
+        self._round_sent = self._last_sent
+        return self._last_sent
+
+    def _side_stream(self) -> Any:
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
+    def _start_data(self, r: int, flats: list[Tensor], *, global_round: bool) -> tuple[list[tuple[Any, str]], Any]:
+        if global_round:
+            with self._side_stream():
+                sums = [f.clone() for f in flats]  # the send buffer stays intact: it is the round's ``sent``
+            return [(self._start(self._data_pg, s, r, "global average"), "global average") for s in sums], sums
+        group = self.schedule.group_of(r, self.rank)
+        received: dict[int, list[Tensor]] = {}
+        works: list[tuple[Any, str]] = []
+        # Pairs in one global order; in each pair the lower rank sends first.
+        for a in group:
+            for b in group:
+                if a >= b or self.rank not in (a, b):
+                    continue
+                peer = b if self.rank == a else a
+                with self._side_stream():
+                    received[peer] = [torch.empty_like(f) for f in flats]
+                ops = ("send", "recv") if self.rank == a else ("recv", "send")
+                for op in ops:
+                    for tag, f in enumerate(flats):
+                        what = f"group {op} with rank {peer}"
+                        works.append((self._p2p(op, f if op == "send" else received[peer][tag], peer, tag, r), what))
+        return works, (group, received)
+
+    def _p2p(self, op: str, tensor: Tensor, peer: int, tag: int, r: int) -> Any:
+        try:
+            with self._side_stream():
+                if op == "send":
+                    return self._data_pg.send([tensor], peer, tag)
+                return self._data_pg.recv([tensor], peer, tag)
+        except Exception as err:
+            raise self._collective_error(err, r, f"group {op} with rank {peer}") from err
+
+    def _finish_data(
+        self, r: int, flats: list[Tensor], context: Any, header: Tensor, *, global_round: bool
+    ) -> tuple[list[Tensor], float, dict[str, Any]]:
+        if global_round:
+            sums: list[Tensor] = context
+            consensus = self._consensus(r, flats, sums)
+            return sums, 1.0, {"group": tuple(range(self.world_size)), "group_id": -1, "consensus": consensus}
+        group, received = context
+        with self._side_stream():
+            parts = [flats if m == self.rank else received[m] for m in group]
+            sums = [p.clone() for p in parts[0]]
+            for part in parts[1:]:  # member order: bit-identical sums on every member
+                for acc, t in zip(sums, part):
+                    acc.add_(t)
+        consensus = None
+        if self.measure_every is not None and (r + 1) % self.measure_every == 0:
+            with self._side_stream():
+                totals = [f.clone() for f in flats]
+            for t in totals:
+                self._finish(self._start(self._data_pg, t, r, "consensus"), r, "consensus")
+            consensus = self._consensus(r, flats, totals)
+        extra = {"group": tuple(group), "group_id": self.schedule.group_id(r, self.rank), "consensus": consensus}
+        return sums, 1.0, extra
+
+    def _consensus(self, r: int, flats: list[Tensor], totals: list[Tensor]) -> float:
+        """``mean_i ||w_i - mean||^2`` from this rank's model and the global sums (one scalar allreduce)."""
+        with self._side_stream():
+            own = sum(
+                float(((f.double() - t.double() / self.world_size) ** 2).sum()) for f, t in zip(flats, totals)
+            )
+        value = torch.tensor([own], dtype=torch.float64)
+        self._finish(self._start(self._header_pg, value, r, "consensus distance"), r, "consensus distance")
+        return float(value.item()) / self.world_size
+
+    def _reduce(self, r: int, header: Tensor, deposits: list[_Deposit], *, began: float, activated: float) -> RoundResult:
+        result = super()._reduce(r, header, deposits, began=began, activated=activated)
+        return dataclasses.replace(result, sent=self.layout.unflatten(self._round_sent))
+
+
+def apply_average(
+    result: RoundResult,
+    current: Tensors,
+    *,
+    normalize: Normalization = "group",
+    late: LatePolicy = "carry",
+) -> None:
+    """Replaces ``current`` (this rank's model, as passed to ``arrive``) with the round's average, in place.
+
+    With ``n`` the group size (``P`` in a global round), ``s`` the group sum,
+    ``c`` this rank's contribution to the round and ``u`` its current model:
+
+    * ``normalize="group"``: ``u <- s / n``, plus ``u - c`` with ``late="carry"``.
+      A rank whose fresh model was in the round has ``u == c``: every such member
+      gets exactly ``s / n``, so a synchronous group round leaves its members
+      identical. A late rank keeps the local progress that missed the round
+      (**Decision**, as ``late="carry"`` for gradients): the sum of all replicas
+      is conserved by every round, so nothing computed is lost. ``late="drop"``
+      discards it (a late rank takes the group's average as it is).
+    * ``normalize="reference"``: ``u <- (s + u) / (n + 1)`` in group rounds, the
+      WAGMA reference code's rule (a late rank's current weights still count);
+      global rounds use ``s / n``.
+    """
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"unknown normalize {normalize!r}: expected one of {', '.join(NORMALIZATIONS)}")
+    if late not in ("carry", "drop"):
+        raise ValueError(f"unknown late policy {late!r}: expected 'carry' or 'drop'")
+    group = result.stats.group
+    if group is None or not result.sent:
+        raise ValueError("apply_average() needs a GroupAverage round result")
+    n = len(group)
+    tensors = [current] if isinstance(current, Tensor) else list(current)
+    global_round = result.stats.group_id == -1
+    with torch.no_grad():
+        for u, s, c in zip(tensors, result.tensors, result.sent):
+            if normalize == "reference" and not global_round:
+                u.add_(s).div_(n + 1)
+                continue
+            delta = u - c if late == "carry" else None
+            u.copy_(s).div_(n)
+            if delta is not None:
+                u.add_(delta)

@@ -1,0 +1,89 @@
+"""DSSyncStrategy (``"ds_sync"``): divide-and-shuffle synchronisation by group model averaging.
+
+ALGORITHMS.md section 3. Each round the P ranks are split into G groups of
+P/G by a permutation drawn from an RNG seeded identically on every rank
+(:class:`~lightning_partial.collectives.schedules.ShuffleSchedule`); each group
+averages its parameters. Optional periodic global average (``global_every``),
+and a final one at the end of fit.
+
+**Decision:** rounds are wait-avoiding by default (``mode="solo"``, as WAGMA):
+the first arrival activates the round and a late member contributes its last
+model. DS-Sync's own rule, a group that waits for all of its members, would
+let a straggler hold back its group and, through the shuffling, everybody: a
+simulation of the benchmark's protocol (1 of 4 ranks sleeping 2x the compute
+per step) gives 1.29x DDP's throughput for it against 1.99x for wait-avoiding
+rounds. ``mode="sync"`` makes every rank arrive before each group exchange.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Literal, Optional
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_partial.collectives.schedules import Schedule, ShuffleSchedule
+from lightning_partial.strategies.model_averaging import ModelAveragingStrategy, ScheduleSource
+
+
+class DSSyncStrategy(ModelAveragingStrategy):
+    """DS-Sync. ``num_groups`` G (default P/2: groups of two); G must divide P (checked at set-up).
+
+    The remaining options are :class:`ModelAveragingStrategy`'s; ``global_every``
+    defaults to ``None`` (only the final global average).
+    """
+
+    strategy_name = "ds_sync"
+
+    def __init__(
+        self,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        *,
+        num_groups: Optional[int] = None,
+        global_every: Optional[int] = None,
+        mode: str = "solo",
+        quorum: Optional[int] = None,
+        normalize: str = "group",
+        late: str = "carry",
+        max_staleness: Optional[int] = None,
+        measure_every: Optional[int] = None,
+        seed: int = 0,
+        schedule: Optional[ScheduleSource] = None,
+        timeout: timedelta = timedelta(minutes=30),
+        process_group_backend: Optional[str] = None,
+        start_method: Literal["popen", "spawn"] = "popen",
+    ) -> None:
+        if num_groups is not None and (isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1):
+            raise ValueError(f"num_groups must be an integer >= 1, got {num_groups!r}")
+        self.num_groups = num_groups
+        super().__init__(
+            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            mode=mode, quorum=quorum, normalize=normalize, late=late, global_every=global_every,
+            max_staleness=max_staleness, measure_every=measure_every, seed=seed, schedule=schedule,
+            timeout=timeout, process_group_backend=process_group_backend, start_method=start_method,
+        )
+
+    @override
+    def default_schedule(self, world_size: int) -> Schedule:
+        groups = self.num_groups if self.num_groups is not None else max(world_size // 2, 1)
+        return ShuffleSchedule(world_size=world_size, num_groups=groups, seed=self.seed)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, start_method in (("ds_sync", "popen"), ("ds_sync_spawn", "spawn")):
+            if name in strategy_registry:  # idempotent
+                continue
+            strategy_registry.register(
+                name, cls, description=f"DS-Sync shuffled group model averaging, start_method '{start_method}'",
+                start_method=start_method,
+            )

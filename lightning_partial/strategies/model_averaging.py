@@ -1,0 +1,210 @@
+"""ModelAveragingStrategy: local steps, then wait-avoiding group model averages (WAGMA-SGD, DS-Sync).
+
+Contract (threads and collectives): see :mod:`lightning_partial.strategies.partial`
+for set-up, SIGTERM, checkpoints and the end of fit. Specific to model averaging:
+
+* Each optimizer step (main thread): the optimizer steps on the local
+  gradients (no gradient is exchanged); then the optimizer's parameters go to
+  its :class:`~lightning_partial.collectives.GroupAverage` (``arrive``) and are
+  replaced by the round's group average (:func:`~lightning_partial.collectives.apply_average`).
+  The engine's communication thread runs the header allreduce (gloo, all
+  ranks) and the group's point-to-point exchange on the engine's data group.
+* Every ``global_every``-th round, and the final flush at the end of fit, is a
+  synchronous global average (allreduce over all ranks): afterwards all
+  replicas are identical.
+* Optimizer state (momentum buffers) stays local, as in the reference codes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.plugins.precision import Precision
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_partial.collectives import PartialAllreduceConfig, RoundStats
+from lightning_partial.collectives.engine import PartialAllreduce
+from lightning_partial.collectives.group_average import NORMALIZATIONS, GroupAverage, apply_average
+from lightning_partial.collectives.schedules import Schedule
+from lightning_partial.strategies.partial import PartialStrategy
+
+log = logging.getLogger(__name__)
+
+ScheduleSource = Union[Schedule, Callable[[int], Schedule]]
+
+
+class ModelAveragingStrategy(PartialStrategy):
+    """Base of :class:`WAGMAStrategy` and :class:`DSSyncStrategy`; subclasses build the default schedule.
+
+    Args:
+        mode: what activates a round: ``"solo"`` (wait-avoiding: the first rank to
+            arrive activates the round for every group; a late member contributes
+            its model as of its last arrival), ``"majority"``, ``"quorum"`` or
+            ``"sync"`` (every rank arrives before each group exchange).
+        quorum: for ``mode="quorum"``.
+        normalize: ``"group"`` (sum / S) or ``"reference"`` ((sum + own model) / (S + 1)),
+            see :func:`~lightning_partial.collectives.apply_average`.
+        late: ``"carry"`` (a late rank keeps the local progress that missed the
+            round: the sum of the replicas is conserved) or ``"drop"``.
+        global_every: every ``global_every``-th round is a synchronous global
+            average (``None``: only the final one).
+        max_staleness: no rank runs more than this many rounds ahead of the slowest.
+        measure_every: measure the consensus distance every ``n`` rounds (besides
+            every global round); logged by :class:`~lightning_partial.callbacks.GroupRotation`.
+        seed: seed of the majority initiator RNG and of the shuffle schedule.
+        schedule: a :class:`~lightning_partial.collectives.schedules.Schedule`, or a
+            callable ``world_size -> Schedule``; default: the subclass's.
+        timeout, process_group_backend, start_method: see :class:`PartialStrategy`.
+    """
+
+    strategy_name = "model_averaging"
+
+    def __init__(
+        self,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        *,
+        mode: str = "solo",
+        quorum: Optional[int] = None,
+        normalize: str = "group",
+        late: str = "carry",
+        global_every: Optional[int] = None,
+        max_staleness: Optional[int] = None,
+        measure_every: Optional[int] = None,
+        seed: int = 0,
+        schedule: Optional[ScheduleSource] = None,
+        timeout: timedelta = timedelta(minutes=30),
+        process_group_backend: Optional[str] = None,
+        start_method: Literal["popen", "spawn"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            timeout=timeout,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
+        )
+        if normalize not in NORMALIZATIONS:
+            raise ValueError(f"unknown normalize {normalize!r}: expected one of {', '.join(NORMALIZATIONS)}")
+        if late not in ("carry", "drop"):
+            raise ValueError(f"unknown late policy {late!r}: expected 'carry' or 'drop'")
+        if global_every is not None and (
+            isinstance(global_every, bool) or not isinstance(global_every, int) or global_every < 1
+        ):
+            raise ValueError(f"global_every (tau) must be an integer >= 1 or None, got {global_every!r}")
+        if measure_every is not None and (
+            isinstance(measure_every, bool) or not isinstance(measure_every, int) or measure_every < 1
+        ):
+            raise ValueError(f"measure_every must be an integer >= 1 or None, got {measure_every!r}")
+        if schedule is not None and not (isinstance(schedule, Schedule) or callable(schedule)):
+            raise ValueError(f"schedule must be a Schedule or a callable world_size -> Schedule, got {schedule!r}")
+        self.partial_config = PartialAllreduceConfig(
+            mode=mode,  # type: ignore[arg-type]
+            quorum=quorum,
+            normalize="sum",
+            late="carry",
+            sync_every=global_every,
+            max_staleness=max_staleness,
+            seed=seed,
+            timeout=timeout,
+            name=self.strategy_name,
+        )
+        self.normalize = normalize
+        self.late = late
+        self.global_every = global_every
+        self.measure_every = measure_every
+        self.seed = seed
+        self._schedule_source = schedule
+        self.schedule: Optional[Schedule] = None  # built for the world size at set-up
+
+    # ------------------------------------------------------------ schedule
+    def default_schedule(self, world_size: int) -> Schedule:
+        """The schedule used when none is given (raises ``ValueError`` if ``world_size`` does not suit it)."""
+        raise NotImplementedError
+
+    def set_schedule(self, schedule: ScheduleSource) -> None:
+        """Replaces the schedule; only before the engines start (e.g. from a callback's ``setup``)."""
+        if self._engines:
+            raise RuntimeError(
+                "the schedule cannot change while the engines run: communication threads may already be "
+                "rounds ahead; give GroupRotation a switch_at instead"
+            )
+        self._schedule_source = schedule
+        self.schedule = None
+
+    def build_schedule(self, world_size: int) -> Schedule:
+        """The schedule for ``world_size`` ranks; raises ``ValueError`` with the reason if it cannot be built."""
+        source = self._schedule_source
+        if source is None:
+            schedule = self.default_schedule(world_size)
+        elif isinstance(source, Schedule):
+            schedule = source
+        else:
+            schedule = source(world_size)
+        schedule.check_world(world_size)
+        return schedule
+
+    @override
+    def validate_world(self, world_size: int) -> None:
+        super().validate_world(world_size)
+        self.schedule = self.build_schedule(world_size)
+
+    # ------------------------------------------------------------- engines
+    @override
+    def _build_engine(self, index: int, params: list[torch.nn.Parameter], store: dist.Store) -> PartialAllreduce:
+        if self.schedule is None:
+            self.schedule = self.build_schedule(self.world_size)
+        return GroupAverage(
+            replace(self.partial_config, name=f"{self.strategy_name}-{index}"),
+            schedule=self.schedule,
+            store=store,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            like=[p.detach() for p in params],
+            measure_every=self.measure_every,
+        )
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """The local step on local gradients, then this round's group average of the parameters."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        index = self._optimizer_index(optimizer)
+        if index in self._engines:
+            self._average(index)
+        return output
+
+    def _average(self, index: int) -> None:
+        params = [p.detach() for p in self._params[index]]
+        result = self._engines[index].arrive(params)
+        apply_average(result, params, normalize=self.normalize, late=self.late)  # type: ignore[arg-type]
+        result.release()
+        self._record(index, result.stats)
+
+    @override
+    def _final_round(self, index: int, engine: PartialAllreduce) -> RoundStats:
+        """The final global average of the parameters: every replica ends identical."""
+        params = [p.detach() for p in self._params[index]]
+        result = engine.flush(params)
+        apply_average(result, params, normalize=self.normalize, late=self.late)  # type: ignore[arg-type]
+        result.release()
+        return result.stats

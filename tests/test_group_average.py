@@ -1,0 +1,223 @@
+"""GroupAverage and the schedules across real gloo ranks (threads, TCPStore port=0)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_partial.collectives import PartialAllreduceConfig
+from lightning_partial.collectives.group_average import GroupAverage, apply_average
+from lightning_partial.collectives.schedules import ButterflySchedule, ShuffleSchedule, SwitchingSchedule
+from tests.distributed import run_threads
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def cfg(**kw) -> PartialAllreduceConfig:
+    kw.setdefault("timeout", timedelta(seconds=30))
+    return PartialAllreduceConfig(normalize="sum", **kw)
+
+
+# ------------------------------------------------------------------ schedules
+class TestSchedules:
+    def test_butterfly_p4_s2_phases(self):
+        s = ButterflySchedule(world_size=4, group_size=2)
+        assert s.phases == 2
+        assert s.groups(0) == [(0, 1), (2, 3)]
+        assert s.groups(1) == [(0, 2), (1, 3)]
+        assert s.groups(2) == s.groups(0)
+        assert s.group_of(1, 3) == (1, 3) and s.group_id(1, 3) == 1
+
+    def test_butterfly_p64_s8_contiguous_then_strided(self):
+        s = ButterflySchedule(world_size=64, group_size=8)
+        assert s.phases == 2
+        assert s.group_of(0, 13) == tuple(range(8, 16))
+        assert s.group_of(1, 13) == tuple(r for r in range(64) if r % 8 == 5)
+
+    def test_butterfly_uneven_bits_fallback_still_mixes(self):
+        s = ButterflySchedule(world_size=8, group_size=4)
+        assert s.phases == 2
+        assert s.groups(0) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+        assert s.groups(1) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+
+    @pytest.mark.parametrize("schedule", [ButterflySchedule(world_size=16, group_size=4),
+                                          ShuffleSchedule(world_size=12, num_groups=3, seed=5)])
+    def test_every_round_is_a_partition(self, schedule):
+        for r in range(20):
+            groups = schedule.groups(r)
+            assert sorted(itertools.chain(*groups)) == list(range(schedule.world_size))
+            assert all(list(g) == sorted(g) for g in groups)
+
+    def test_shuffle_is_the_same_everywhere_and_changes(self):
+        a = ShuffleSchedule(world_size=8, num_groups=2, seed=3)
+        b = ShuffleSchedule(world_size=8, num_groups=2, seed=3)
+        assert [a.groups(r) for r in range(50)] == [b.groups(r) for r in range(50)]
+        assert len({tuple(a.groups(r)) for r in range(50)}) > 10  # reshuffled every round
+        assert all(len(g) == 4 for g in a.groups(7))
+
+    def test_switching(self):
+        s = SwitchingSchedule(
+            starts=(0, 10),
+            schedules=(ButterflySchedule(world_size=4, group_size=2), ShuffleSchedule(world_size=4, num_groups=2)),
+        )
+        assert s.groups(1) == [(0, 2), (1, 3)]
+        assert s.groups(12) == ShuffleSchedule(world_size=4, num_groups=2).groups(12)
+
+    @pytest.mark.parametrize(
+        "build, message",
+        [
+            (lambda: ButterflySchedule(world_size=6, group_size=2), "power-of-two number of ranks"),
+            (lambda: ButterflySchedule(world_size=4, group_size=3), "group_size must be a power of two"),
+            (lambda: ButterflySchedule(world_size=4, group_size=8), "exceeds the world size"),
+            (lambda: ShuffleSchedule(world_size=6, num_groups=4), "does not divide"),
+            (lambda: ShuffleSchedule(world_size=4, num_groups=0), "num_groups must be an integer >= 1"),
+            (lambda: SwitchingSchedule(starts=(1,), schedules=(ShuffleSchedule(world_size=4, num_groups=2),)),
+             "begin at 0"),
+        ],
+    )
+    def test_bad_input(self, build, message):
+        with pytest.raises(ValueError, match=message):
+            build()
+
+
+# --------------------------------------------------------------------- engine
+def models_after(world, schedule, steps, *, mode="sync", sync_every=None, delay=None, measure_every=None,
+                 normalize="group", local=None, values=None):
+    """Each rank: model = values[rank]; per step: local update, arrive, apply_average. Returns per-rank history."""
+
+    def fn(rank, store):
+        w = torch.tensor([float(values[rank] if values else rank)], dtype=torch.float64)
+        engine = GroupAverage(cfg(mode=mode, sync_every=sync_every), schedule=schedule, store=store, rank=rank,
+                              world_size=world, like=[w], measure_every=measure_every)
+        engine.start()
+        history = []
+        try:
+            for step in range(steps):
+                if delay is not None:
+                    delay(rank, step)
+                if local is not None:
+                    w += local(rank, step)
+                result = engine.arrive([w])
+                apply_average(result, [w], normalize=normalize)
+                history.append((w.clone(), result.stats))
+                result.release()
+            last = engine.flush([w])
+            apply_average(last, [w], normalize=normalize)
+            history.append((w.clone(), last.stats))
+        finally:
+            engine.close()
+        return history
+
+    return run_threads(world, fn)
+
+
+def test_butterfly_two_rounds_mix_every_rank_exactly():
+    values = [1.0, 2.0, 4.0, 8.0]
+    hist = models_after(4, ButterflySchedule(world_size=4, group_size=2), 2, values=values)
+    after0 = [h[0][0].item() for h in hist]
+    after1 = [h[1][0].item() for h in hist]
+    assert after0 == [1.5, 1.5, 6.0, 6.0]  # {0,1} and {2,3}
+    assert after1 == [3.75] * 4  # {0,2} and {1,3}: every rank's weights in every other's
+    assert hist[0][0][1].group == (0, 1) and hist[0][1][1].group == (0, 2)
+
+
+def test_synchronous_group_rounds_make_members_identical_and_global_rounds_everybody():
+    schedule = ShuffleSchedule(world_size=4, num_groups=2, seed=1)
+    hist = models_after(4, schedule, 9, sync_every=3, values=[3.0, 5.0, 17.0, 29.0],
+                        local=lambda rank, step: float(rank * (step + 1)))
+    for step in range(9):
+        groups = schedule.groups(step)
+        stats = [hist[r][step][1] for r in range(4)]
+        if (step + 1) % 3 == 0:
+            assert len({hist[r][step][0].item() for r in range(4)}) == 1
+            assert all(s.group == (0, 1, 2, 3) and s.group_id == -1 and s.consensus is not None for s in stats)
+        else:
+            assert all(s.group == schedule.group_of(step, r) for r, s in enumerate(stats))
+            for g in groups:
+                assert len({hist[r][step][0].item() for r in g}) == 1
+    assert len({hist[r][-1][0].item() for r in range(4)}) == 1  # the final flush
+    assert hist[0][-1][1].flush
+
+
+@pytest.mark.parametrize("mode", ["solo", "majority"])
+@pytest.mark.parametrize("schedule", [ButterflySchedule(world_size=4, group_size=2),
+                                      ShuffleSchedule(world_size=4, num_groups=2, seed=2)])
+def test_wait_avoiding_rounds_conserve_the_sum_of_replicas(mode, schedule):
+    """Integer models, power-of-two groups: exact. Sum over ranks after round r == sum of all local updates."""
+    steps = 12
+    rng = random.Random(7)
+    slow = {(r, s): rng.random() < 0.3 for r in range(4) for s in range(steps)}
+
+    def delay(rank, step):
+        if slow[(rank, step)] or rank == 3:
+            time.sleep(0.02)
+
+    updates = lambda rank, step: float((rank + 1) * 8 * (step + 1))  # noqa: E731
+    hist = models_after(4, schedule, steps, mode=mode, delay=delay, local=updates, values=[0.0, 8.0, 16.0, 24.0])
+    stale = sum(1 for r in range(4) for _, st in hist[r][:-1] if r not in st.fresh)
+    assert stale > 0, "the test needs late ranks"
+    for step in range(steps):
+        total = sum(hist[r][step][0].item() for r in range(4))
+        expected = 48.0 + sum(updates(r, s) for r in range(4) for s in range(step + 1))
+        assert total == expected, f"step {step}: the replicas' sum changed: {total} != {expected}"
+    finals = {hist[r][-1][0].item() for r in range(4)}
+    assert len(finals) == 1
+    assert finals.pop() * 4 == 48.0 + sum(updates(r, s) for r in range(4) for s in range(steps))
+
+
+def test_consensus_distance_measured_and_zero_after_the_flush():
+    hist = models_after(4, ButterflySchedule(world_size=4, group_size=2), 6, measure_every=2,
+                        values=[0.0, 2.0, 4.0, 6.0], local=lambda rank, step: float(rank))
+    for step in (1, 3, 5):
+        values = [hist[r][step - 1][0].item() + r for r in range(4)]  # the models contributed to the round
+        mean = sum(values) / 4
+        expected = sum((v - mean) ** 2 for v in values) / 4
+        assert hist[0][step][1].consensus == pytest.approx(expected)
+        assert len({hist[r][step][1].consensus for r in range(4)}) == 1
+    assert hist[0][0][1].consensus is None
+    assert len({hist[r][-1][0].item() for r in range(4)}) == 1
+
+
+def test_reference_normalisation_counts_the_own_model_twice():
+    hist = models_after(2, ButterflySchedule(world_size=2, group_size=2), 1, values=[1.0, 7.0], normalize="reference")
+    assert [h[0][0].item() for h in hist] == [(8.0 + 1.0) / 3, (8.0 + 7.0) / 3]
+
+
+def test_no_process_group_is_created_per_round(monkeypatch):
+    created = []
+    real_gloo, real_new_group = dist.ProcessGroupGloo, dist.new_group
+
+    def gloo(*args, **kw):
+        created.append("gloo")
+        return real_gloo(*args, **kw)
+
+    def new_group(*args, **kw):
+        created.append("new_group")
+        return real_new_group(*args, **kw)
+
+    monkeypatch.setattr(dist, "ProcessGroupGloo", gloo)
+    monkeypatch.setattr(dist, "new_group", new_group)
+    hist = models_after(4, ShuffleSchedule(world_size=4, num_groups=2), 30, mode="solo")
+    assert len(hist[0]) == 31
+    # The engine's header and data groups, once per rank at start(); none per round.
+    assert created == ["gloo"] * 8, created
+
+
+def test_bad_configuration_fails_at_construction():
+    store = dist.HashStore()
+    w = [torch.zeros(2)]
+    with pytest.raises(ValueError, match="normalize must be 'sum'"):
+        GroupAverage(PartialAllreduceConfig(), schedule=ShuffleSchedule(world_size=2, num_groups=1), store=store,
+                     rank=0, world_size=2, like=w)
+    with pytest.raises(ValueError, match="built for 4 ranks"):
+        GroupAverage(cfg(), schedule=ShuffleSchedule(world_size=4, num_groups=2), store=store, rank=0, world_size=2,
+                     like=w)
+    with pytest.raises(ValueError, match="measure_every"):
+        GroupAverage(cfg(), schedule=ShuffleSchedule(world_size=2, num_groups=1), store=store, rank=0, world_size=2,
+                     like=w, measure_every=0)

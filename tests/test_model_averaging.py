@@ -1,0 +1,177 @@
+"""WAGMAStrategy and DSSyncStrategy: registry, bad input, and real 4-process fits launched by Lightning."""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_partial
+from lightning_partial import DSSyncStrategy, WAGMAStrategy
+from lightning_partial.callbacks import GroupRotation
+from lightning_partial.collectives import ButterflySchedule, ShuffleSchedule
+from tests.test_eager_sgd import FIT_ENV, fit_command, signal_rank_when_running
+
+
+def test_registry_names():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    lightning_partial.register_strategies()  # idempotent
+    for name, cls, start_method in (
+        ("wagma_sgd", WAGMAStrategy, "popen"),
+        ("wagma_sgd_spawn", WAGMAStrategy, "spawn"),
+        ("ds_sync", DSSyncStrategy, "popen"),
+        ("ds_sync_spawn", DSSyncStrategy, "spawn"),
+    ):
+        strategy = StrategyRegistry.get(name)
+        assert type(strategy) is cls and strategy._start_method == start_method
+        pickle.loads(pickle.dumps(strategy))  # no threads or groups before setup
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: WAGMAStrategy(group_size=3), "group_size must be a power of two"),
+        (lambda: WAGMAStrategy(global_every=0), "tau"),
+        (lambda: WAGMAStrategy(normalize="mean"), "unknown normalize"),
+        (lambda: WAGMAStrategy(mode="fastest"), "unknown mode"),
+        (lambda: DSSyncStrategy(num_groups=0), "num_groups"),
+        (lambda: DSSyncStrategy(late="keep"), "unknown late policy"),
+        (lambda: DSSyncStrategy(measure_every=0), "measure_every"),
+        (lambda: GroupRotation(consensus_every=0), "consensus_every"),
+        (lambda: GroupRotation(switch_at={0: ShuffleSchedule(world_size=4, num_groups=2)}), "switch_at"),
+    ],
+)
+def test_bad_configuration_fails_at_construction(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+@pytest.mark.parametrize(
+    "strategy, world, match",
+    [
+        (WAGMAStrategy(group_size=8), 4, "exceeds the world size"),
+        (WAGMAStrategy(), 6, "power-of-two number of ranks"),
+        (DSSyncStrategy(num_groups=3), 4, "does not divide"),
+        (WAGMAStrategy(schedule=ShuffleSchedule(world_size=8, num_groups=2)), 4, "built for 8 ranks"),
+        (DSSyncStrategy(mode="majority"), 1, "at least 2 ranks"),
+    ],
+)
+def test_world_dependent_checks_fail_at_set_up(strategy, world, match):
+    """Checked in ``setup`` (the world size is known there), before any rank trains."""
+    with pytest.raises(ValueError, match=match):
+        strategy.validate_world(world)
+
+
+def test_default_schedules():
+    assert WAGMAStrategy().build_schedule(4) == ButterflySchedule(world_size=4, group_size=2)
+    assert WAGMAStrategy().build_schedule(64).group_size == 8
+    assert DSSyncStrategy(seed=3).build_schedule(4) == ShuffleSchedule(world_size=4, num_groups=2, seed=3)
+
+
+def run_fit(out: Path, strategy: str, *extra: str) -> list[dict]:
+    proc = subprocess.run(
+        fit_command(out, "--strategy", strategy, *extra), env=FIT_ENV, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "strategy, schedule",
+    [
+        ("wagma_sgd", ButterflySchedule(world_size=4, group_size=2)),
+        ("ds_sync", ShuffleSchedule(world_size=4, num_groups=2, seed=0)),
+    ],
+)
+def test_fit_under_imbalance(tmp_path, strategy, schedule):
+    """4 ranks, one 20 ms straggler per step: every rank follows the same schedule, the consensus
+    distance is measured and bounded, the final average leaves the replicas bit-identical."""
+    out = tmp_path / strategy
+    records = run_fit(out, strategy, "--straggle-ms", "20", "--steps", "30", "--rotation", "5", "--track", "--csv",
+                      str(out / "csv"))
+    states = [torch.load(out / f"rank{r}.pt") for r in range(4)]
+    for other in states[1:]:
+        for key, value in states[0].items():
+            assert torch.equal(value, other[key]), key
+    global_every = 10 if strategy == "wagma_sgd" else None
+    by_round: dict[int, dict[int, tuple[int, ...]]] = {}
+    for rank, record in enumerate(records):
+        rounds = [g["round_index"] for g in record["groups"]]
+        assert rounds == list(range(30)), rounds
+        for g in record["groups"]:
+            r = g["round_index"]
+            members = tuple(g["members"])
+            if global_every is not None and (r + 1) % global_every == 0:
+                assert members == (0, 1, 2, 3) and g["group_id"] == -1
+            else:
+                assert members == schedule.group_of(r, rank) and g["group_id"] == schedule.group_id(r, rank)
+            by_round.setdefault(r, {})[rank] = members
+            if (r + 1) % 5 == 0 or g["group_id"] == -1:
+                assert g["consensus"] is not None and math.isfinite(g["consensus"]) and 0 <= g["consensus"] < 1.0
+    for r, members in by_round.items():  # every rank computed the same partition
+        for rank, group in members.items():
+            assert all(members[m] == group for m in group), (r, members)
+    consensus = {g["round_index"]: g["consensus"] for g in records[0]["groups"] if g["consensus"] is not None}
+    assert len(set(consensus)) >= 5
+    assert len({json.dumps([g["consensus"] for g in rec["groups"]]) for rec in records}) == 1  # same on all ranks
+    header = (out / "csv" / "fit" / "version_0" / "metrics.csv").read_text().splitlines()[0]
+    for column in ("groups/group_id", "groups/members", "groups/consensus", "partial/fresh"):
+        assert column in header
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        fit_command(out, "--strategy", "wagma_sgd", "--steps", "100000", "--straggle-ms", "5"),
+        env=FIT_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    stderr = signal_rank_when_running(proc, out, 1, signal.SIGTERM)
+    assert proc.returncode == 0, stderr[-3000:]
+    steps = {r: int((out / f"stopped{r}").read_text()) for r in range(4)}
+    assert len(set(steps.values())) == 1, steps
+
+
+@pytest.mark.timeout(300)
+def test_killed_rank_ends_the_fit_with_a_clear_error(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        fit_command(out, "--strategy", "ds_sync", "--steps", "100000", "--straggle-ms", "5"),
+        env=FIT_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    stderr = signal_rank_when_running(proc, out, 2, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert ("[partial allreduce, rank" in stderr and "round" in stderr) or "terminated with code -9" in stderr, (
+        stderr[-3000:]
+    )
+
+
+def test_group_rotation_installs_a_switching_schedule_before_the_engines_start():
+    from types import SimpleNamespace
+
+    from lightning_partial.collectives import SwitchingSchedule
+
+    strategy = WAGMAStrategy()
+    rotation = GroupRotation(switch_at={100: ShuffleSchedule(world_size=4, num_groups=2, seed=9)}, consensus_every=7)
+    rotation.setup(SimpleNamespace(strategy=strategy, world_size=4), None, "fit")
+    schedule = strategy.schedule
+    assert isinstance(schedule, SwitchingSchedule) and schedule.starts == (0, 100)
+    assert schedule.groups(1) == [(0, 2), (1, 3)]  # the strategy's butterfly until round 100
+    assert schedule.groups(150) == ShuffleSchedule(world_size=4, num_groups=2, seed=9).groups(150)
+    assert strategy.measure_every == 7
+    with pytest.raises(ValueError, match="built for 8 ranks"):
+        GroupRotation(schedule=ButterflySchedule(world_size=8, group_size=2)).setup(
+            SimpleNamespace(strategy=WAGMAStrategy(), world_size=4), None, "fit"
+        )
+    with pytest.raises(ValueError, match="needs a model-averaging strategy"):
+        GroupRotation(schedule=ButterflySchedule(world_size=4, group_size=2)).setup(
+            SimpleNamespace(strategy=object(), world_size=4), None, "fit"
+        )
