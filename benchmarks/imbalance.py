@@ -14,6 +14,11 @@ configuration                      strategy                                     
 ``post_local_sgd_imbalanced``      post-local SGD (``baselines.PostLocalSGDStrategy``)         yes
 ``eager_sgd_imbalanced``           ``strategy="eager_sgd"`` (solo)                             yes
 ``eager_sgd_majority_imbalanced``  ``strategy="eager_sgd_majority"``                           yes
+``eager_sgd_s2_imbalanced``        ``EagerSGDStrategy(max_staleness=2)``                       yes
+``eager_sgd_contrib_imbalanced``   ``EagerSGDStrategy(normalize="contributors")``              yes
+``eager_sgd_s1_imbalanced``        ``EagerSGDStrategy(max_staleness=1)``                       yes
+``wagma_sgd_imbalanced``           ``strategy="wagma_sgd"`` (S=2, tau=10)                      yes
+``ds_sync_imbalanced``             ``strategy="ds_sync"`` (G=2, max_staleness=4)               yes
 ``no_comm_imbalanced``             every rank alone (``baselines.NoCommStrategy``): the bound  yes
 =================================  ==========================================================  =========
 
@@ -51,7 +56,9 @@ rank 0's final model on 8,192 training samples) and held-out accuracy of rank
 * a parameter digest (float64 sum) after each of the first ``--digest-steps``
   optimizer steps, compared across ranks: the replicas must be identical after
   every step under DDP and eager-SGD; under post-local SGD after the warm-up
-  steps and right after every averaging step only; under the bound never;
+  steps and right after every averaging step only; under WAGMA-SGD after every
+  10th step (its global average); under DS-Sync (no periodic global average)
+  and the bound never;
 * the calls into ``torch.distributed`` collectives on the default group, per
   step (Python-level: Lightning's per-batch broadcast, DDP comm hooks, the
   model averager; DDP's C++ gradient allreduce without a hook is not seen).
@@ -76,7 +83,7 @@ ranks 1-3), in its own process group, killed as a whole on ``--timeout``.
 
 Usage::
 
-    python benchmarks/imbalance.py                                  # every configuration (~6-8 min)
+    python benchmarks/imbalance.py                                  # every configuration (~10-12 min)
     python benchmarks/imbalance.py --steps 40 --only ddp_balanced,eager_sgd_balanced
     python benchmarks/imbalance.py --repeats 3                      # medians [min-max] of 3 runs
 
@@ -161,7 +168,7 @@ CONFIGS: dict[str, Config] = {
         ),
         Config("eager_sgd_s1_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=1", (("max_staleness", 1),)),
         Config("wagma_sgd_imbalanced", "wagma_sgd", True, "WAGMA-SGD (S=2, tau=10)"),
-        Config("ds_sync_imbalanced", "ds_sync", True, "DS-Sync (G=2)"),
+        Config("ds_sync_imbalanced", "ds_sync", True, "DS-Sync (G=2, max_staleness=4)"),
         Config("no_comm_imbalanced", "no_comm", True, "no communication (bound)"),
     )
 }
@@ -431,6 +438,10 @@ def _make_strategy(config: Config, args: argparse.Namespace) -> Any:
     if config.options:
         import lightning_partial
 
+        if config.strategy == "wagma_sgd":
+            return lightning_partial.WAGMAStrategy(**dict(config.options))
+        if config.strategy == "ds_sync":
+            return lightning_partial.DSSyncStrategy(**dict(config.options))
         mode = "majority" if config.strategy == "eager_sgd_majority" else "solo"
         return lightning_partial.EagerSGDStrategy(**{"mode": mode, **dict(config.options)})
     if config.strategy in ("ddp", "eager_sgd", "eager_sgd_majority", "wagma_sgd", "ds_sync"):

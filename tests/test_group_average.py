@@ -88,13 +88,13 @@ class TestSchedules:
 
 # --------------------------------------------------------------------- engine
 def models_after(world, schedule, steps, *, mode="sync", sync_every=None, delay=None, measure_every=None,
-                 normalize="group", local=None, values=None):
+                 normalize="group", local=None, values=None, stale="skip"):
     """Each rank: model = values[rank]; per step: local update, arrive, apply_average. Returns per-rank history."""
 
     def fn(rank, store):
         w = torch.tensor([float(values[rank] if values else rank)], dtype=torch.float64)
         engine = GroupAverage(cfg(mode=mode, sync_every=sync_every), schedule=schedule, store=store, rank=rank,
-                              world_size=world, like=[w], measure_every=measure_every)
+                              world_size=world, like=[w], measure_every=measure_every, stale=stale)
         engine.start()
         history = []
         try:
@@ -145,10 +145,10 @@ def test_synchronous_group_rounds_make_members_identical_and_global_rounds_every
     assert hist[0][-1][1].flush
 
 
-@pytest.mark.parametrize("mode", ["solo", "majority"])
+@pytest.mark.parametrize("mode, stale", [("solo", "skip"), ("majority", "skip"), ("solo", "resend")])
 @pytest.mark.parametrize("schedule", [ButterflySchedule(world_size=4, group_size=2),
                                       ShuffleSchedule(world_size=4, num_groups=2, seed=2)])
-def test_wait_avoiding_rounds_conserve_the_sum_of_replicas(mode, schedule):
+def test_wait_avoiding_rounds_conserve_the_sum_of_replicas(mode, stale, schedule):
     """Integer models, power-of-two groups: exact. Sum over ranks after round r == sum of all local updates."""
     steps = 12
     rng = random.Random(7)
@@ -159,9 +159,17 @@ def test_wait_avoiding_rounds_conserve_the_sum_of_replicas(mode, schedule):
             time.sleep(0.02)
 
     updates = lambda rank, step: float((rank + 1) * 8 * (step + 1))  # noqa: E731
-    hist = models_after(4, schedule, steps, mode=mode, delay=delay, local=updates, values=[0.0, 8.0, 16.0, 24.0])
-    stale = sum(1 for r in range(4) for _, st in hist[r][:-1] if r not in st.fresh)
-    assert stale > 0, "the test needs late ranks"
+    hist = models_after(4, schedule, steps, mode=mode, delay=delay, local=updates, values=[0.0, 8.0, 16.0, 24.0],
+                        stale=stale)
+    late = sum(1 for r in range(4) for _, st in hist[r][:-1] if r not in st.fresh)
+    assert late > 0, "the test needs late ranks"
+    for r in range(4):
+        for _, st in hist[r][:-1]:
+            assert set(st.averaged) <= set(st.group)
+            if stale == "resend":
+                assert st.averaged == st.group
+            else:  # a model enters at most one sum: an averaged member contributed something new
+                assert all(st.counts[m] == 1 for m in st.averaged)
     for step in range(steps):
         total = sum(hist[r][step][0].item() for r in range(4))
         expected = 48.0 + sum(updates(r, s) for r in range(4) for s in range(step + 1))

@@ -80,8 +80,10 @@ class RoundResult:
     tensors: list[Tensor]
     stats: RoundStats
     buffers: list[Tensor] = dataclasses.field(default_factory=list, repr=False)
-    # GroupAverage only: this rank's own contribution to the round (read-only views).
+    # GroupAverage only: this rank's own contribution to the round (read-only views),
+    # and whether it is in the group sum (``stale="skip"`` leaves out a repeated model).
     sent: list[Tensor] = dataclasses.field(default_factory=list, repr=False)
+    included: bool = True
     layout: Optional[TensorLayout] = dataclasses.field(default=None, repr=False, compare=False)
 
     def release(self) -> None:

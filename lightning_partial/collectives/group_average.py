@@ -5,9 +5,16 @@ The rounds, their activation (solo, majority, quorum, sync, ``sync_every``,
 :class:`~lightning_partial.collectives.PartialAllreduce`'s. What differs:
 
 * **What a rank contributes.** Its *model* as of its latest arrival (the send
-  buffer). A newer arrival replaces it; when the rank has not arrived since
-  the previous round, its communication thread contributes the same model
-  again (stale). Before the first arrival, the model the engine was built from.
+  buffer). A newer arrival replaces it. When the rank has not arrived since
+  the previous round it took part in, ``stale="skip"`` (default, **Decision**)
+  leaves it out of the group sum: every model enters at most one average. With
+  ``stale="resend"`` (the reference codes) its communication thread contributes
+  the same model again; a rank far behind then pulls its partners back to its
+  old model round after round, and its own ``late="carry"`` correction adds
+  their progress once per such round: on the benchmark, DS-Sync without a
+  periodic global average diverged that way (loss 14 at step 100), while with
+  ``"skip"`` it trains like DDP. The model the engine was built from counts as
+  contributed (all replicas start equal).
 * **Which data collectives run.** In a group round, point-to-point send/recv
   within the round's group, from the :class:`~lightning_partial.collectives.schedules.Schedule`
   (a pure function of the round index), over the engine's own data process
@@ -48,7 +55,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_partial.collectives.config import PartialAllreduceConfig
-from lightning_partial.collectives.engine import PartialAllreduce, RoundResult, Tensors, _Deposit
+from lightning_partial.collectives.engine import _COUNT, PartialAllreduce, RoundResult, Tensors, _Deposit
 from lightning_partial.collectives.schedules import Schedule
 
 log = logging.getLogger(__name__)
@@ -56,6 +63,8 @@ log = logging.getLogger(__name__)
 Normalization = Literal["group", "reference"]
 NORMALIZATIONS: tuple[str, ...] = ("group", "reference")
 LatePolicy = Literal["carry", "drop"]
+StalePolicy = Literal["skip", "resend"]
+STALE_POLICIES: tuple[str, ...] = ("skip", "resend")
 
 
 class GroupAverage(PartialAllreduce):
@@ -74,6 +83,8 @@ class GroupAverage(PartialAllreduce):
         measure_every: measure the consensus distance every ``n`` rounds
             (rounds ``n-1, 2n-1, ...``) besides every global round; ``None``:
             global rounds only.
+        stale: ``"skip"`` (a model enters at most one group sum) or ``"resend"``
+            (a late rank's last model is contributed to every round until it arrives).
     """
 
     def __init__(
@@ -87,7 +98,10 @@ class GroupAverage(PartialAllreduce):
         like: Tensors,
         backend: Optional[str] = None,
         measure_every: Optional[int] = None,
+        stale: StalePolicy = "skip",
     ) -> None:
+        if stale not in STALE_POLICIES:
+            raise ValueError(f"unknown stale policy {stale!r}: expected one of {', '.join(STALE_POLICIES)}")
         if not isinstance(schedule, Schedule):
             raise ValueError(f"schedule must be a Schedule, got {type(schedule).__name__}")
         if isinstance(config, PartialAllreduceConfig):
@@ -110,6 +124,7 @@ class GroupAverage(PartialAllreduce):
             raise ValueError("GroupAverage exchanges CUDA tensors point-to-point with backend='nccl' only")
         self.schedule = schedule
         self.measure_every = measure_every
+        self.stale = stale
         # The send buffer: the model as of the latest arrival whose round was taken.
         # Owned by the communication thread once started; never recycled (a caller
         # may still read it as a round's ``sent``).
@@ -119,6 +134,7 @@ class GroupAverage(PartialAllreduce):
             torch.cuda.current_stream(self._cuda_device).synchronize()
         self._last_sent_step = -1
         self._round_sent: list[Tensor] = self._last_sent
+        self._round_included = True
 
     def start(self) -> "GroupAverage":
         self._last_sent_step = self._step - 1  # the model the engine was built from: after step - 1
@@ -127,9 +143,10 @@ class GroupAverage(PartialAllreduce):
 
     # ------------------------------------------------------------ hooks
     def _describe_contribution(self, deposits: list[_Deposit]) -> tuple[int, int, int]:
-        # Exactly one model per rank and round; its step says how stale it is.
+        # One model per rank and round; its step says how stale it is. Count 0: a
+        # model already contributed, left out of the sum with stale="skip".
         step = max(d.step for d in deposits) if deposits else self._last_sent_step
-        return 1, step, step
+        return int(bool(deposits) or self.stale == "resend"), step, step
 
     def _send_buffer(self, deposits: list[_Deposit]) -> list[Tensor]:
         if deposits:
@@ -186,14 +203,21 @@ class GroupAverage(PartialAllreduce):
         if global_round:
             sums: list[Tensor] = context
             consensus = self._consensus(r, flats, sums)
-            return sums, 1.0, {"group": tuple(range(self.world_size)), "group_id": -1, "consensus": consensus}
+            self._round_included = True
+            everybody = tuple(range(self.world_size))
+            return sums, 1.0, {"group": everybody, "group_id": -1, "averaged": everybody, "consensus": consensus}
         group, received = context
+        averaged = [m for m in group if header[m, _COUNT] > 0]
+        self._round_included = self.rank in averaged
         with self._side_stream():
-            parts = [flats if m == self.rank else received[m] for m in group]
-            sums = [p.clone() for p in parts[0]]
-            for part in parts[1:]:  # member order: bit-identical sums on every member
-                for acc, t in zip(sums, part):
-                    acc.add_(t)
+            if self._round_included:
+                parts = [flats if m == self.rank else received[m] for m in averaged]
+                sums = [p.clone() for p in parts[0]]
+                for part in parts[1:]:  # member order: bit-identical sums on every member
+                    for acc, t in zip(sums, part):
+                        acc.add_(t)
+            else:  # this rank's model was averaged before: it sits this round out
+                sums = [f.clone() for f in flats]
         consensus = None
         if self.measure_every is not None and (r + 1) % self.measure_every == 0:
             with self._side_stream():
@@ -201,7 +225,12 @@ class GroupAverage(PartialAllreduce):
             for t in totals:
                 self._finish(self._start(self._data_pg, t, r, "consensus"), r, "consensus")
             consensus = self._consensus(r, flats, totals)
-        extra = {"group": tuple(group), "group_id": self.schedule.group_id(r, self.rank), "consensus": consensus}
+        extra = {
+            "group": tuple(group),
+            "group_id": self.schedule.group_id(r, self.rank),
+            "averaged": tuple(averaged),
+            "consensus": consensus,
+        }
         return sums, 1.0, extra
 
     def _consensus(self, r: int, flats: list[Tensor], totals: list[Tensor]) -> float:
@@ -216,7 +245,9 @@ class GroupAverage(PartialAllreduce):
 
     def _reduce(self, r: int, header: Tensor, deposits: list[_Deposit], *, began: float, activated: float) -> RoundResult:
         result = super()._reduce(r, header, deposits, began=began, activated=activated)
-        return dataclasses.replace(result, sent=self.layout.unflatten(self._round_sent))
+        return dataclasses.replace(
+            result, sent=self.layout.unflatten(self._round_sent), included=self._round_included
+        )
 
 
 def apply_average(
@@ -228,7 +259,9 @@ def apply_average(
 ) -> None:
     """Replaces ``current`` (this rank's model, as passed to ``arrive``) with the round's average, in place.
 
-    With ``n`` the group size (``P`` in a global round), ``s`` the group sum,
+    A rank left out of the round's sum (``result.included`` false: ``stale="skip"``
+    and nothing new since its last round) keeps ``current`` unchanged. Otherwise,
+    with ``n`` the number of models summed (``P`` in a global round), ``s`` the sum,
     ``c`` this rank's contribution to the round and ``u`` its current model:
 
     * ``normalize="group"``: ``u <- s / n``, plus ``u - c`` with ``late="carry"``.
@@ -249,7 +282,9 @@ def apply_average(
     group = result.stats.group
     if group is None or not result.sent:
         raise ValueError("apply_average() needs a GroupAverage round result")
-    n = len(group)
+    if not result.included:
+        return
+    n = len(result.stats.averaged or group)
     tensors = [current] if isinstance(current, Tensor) else list(current)
     global_round = result.stats.group_id == -1
     with torch.no_grad():

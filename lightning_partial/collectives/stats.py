@@ -44,6 +44,8 @@ class RoundStats:
             only: the members of this rank's group in the round (all ranks in a
             global round); ``None`` for a partial allreduce.
         group_id: the index of that group in the schedule's partition (``-1``: global).
+        averaged: the members whose models the group sum holds: those with a model
+            not contributed before (``stale="skip"``), or the whole group (``"resend"``).
         consensus: the consensus distance of the contributed models, measured in
             this round (``mean_i ||w_i - mean||^2`` over all ranks), or ``None``.
     """
@@ -68,6 +70,7 @@ class RoundStats:
     arrived_at: Optional[float] = None
     group: Optional[tuple[int, ...]] = None
     group_id: Optional[int] = None
+    averaged: Optional[tuple[int, ...]] = None
     consensus: Optional[float] = None
 
     @property

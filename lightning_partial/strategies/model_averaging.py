@@ -32,7 +32,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_partial.collectives import PartialAllreduceConfig, RoundStats
 from lightning_partial.collectives.engine import PartialAllreduce
-from lightning_partial.collectives.group_average import NORMALIZATIONS, GroupAverage, apply_average
+from lightning_partial.collectives.group_average import NORMALIZATIONS, STALE_POLICIES, GroupAverage, apply_average
 from lightning_partial.collectives.schedules import Schedule
 from lightning_partial.strategies.partial import PartialStrategy
 
@@ -54,6 +54,10 @@ class ModelAveragingStrategy(PartialStrategy):
             see :func:`~lightning_partial.collectives.apply_average`.
         late: ``"carry"`` (a late rank keeps the local progress that missed the
             round: the sum of the replicas is conserved) or ``"drop"``.
+        stale: ``"skip"`` (a model enters at most one group average; a rank with
+            nothing new sits the round out) or ``"resend"`` (the reference codes: a
+            late rank's last model is averaged again in every round until it arrives),
+            see :class:`~lightning_partial.collectives.GroupAverage`.
         global_every: every ``global_every``-th round is a synchronous global
             average (``None``: only the final one).
         max_staleness: no rank runs more than this many rounds ahead of the slowest.
@@ -79,6 +83,7 @@ class ModelAveragingStrategy(PartialStrategy):
         quorum: Optional[int] = None,
         normalize: str = "group",
         late: str = "carry",
+        stale: str = "skip",
         global_every: Optional[int] = None,
         max_staleness: Optional[int] = None,
         measure_every: Optional[int] = None,
@@ -102,6 +107,8 @@ class ModelAveragingStrategy(PartialStrategy):
             raise ValueError(f"unknown normalize {normalize!r}: expected one of {', '.join(NORMALIZATIONS)}")
         if late not in ("carry", "drop"):
             raise ValueError(f"unknown late policy {late!r}: expected 'carry' or 'drop'")
+        if stale not in STALE_POLICIES:
+            raise ValueError(f"unknown stale policy {stale!r}: expected one of {', '.join(STALE_POLICIES)}")
         if global_every is not None and (
             isinstance(global_every, bool) or not isinstance(global_every, int) or global_every < 1
         ):
@@ -125,6 +132,7 @@ class ModelAveragingStrategy(PartialStrategy):
         )
         self.normalize = normalize
         self.late = late
+        self.stale = stale
         self.global_every = global_every
         self.measure_every = measure_every
         self.seed = seed
@@ -176,6 +184,7 @@ class ModelAveragingStrategy(PartialStrategy):
             world_size=self.world_size,
             like=[p.detach() for p in params],
             measure_every=self.measure_every,
+            stale=self.stale,  # type: ignore[arg-type]
         )
 
     @override

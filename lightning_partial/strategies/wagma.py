@@ -53,6 +53,7 @@ class WAGMAStrategy(ModelAveragingStrategy):
         quorum: Optional[int] = None,
         normalize: str = "group",
         late: str = "carry",
+        stale: str = "skip",
         max_staleness: Optional[int] = None,
         measure_every: Optional[int] = None,
         seed: int = 0,
@@ -69,7 +70,7 @@ class WAGMAStrategy(ModelAveragingStrategy):
         self.group_size = group_size
         super().__init__(
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            mode=mode, quorum=quorum, normalize=normalize, late=late, global_every=global_every,
+            mode=mode, quorum=quorum, normalize=normalize, late=late, stale=stale, global_every=global_every,
             max_staleness=max_staleness, measure_every=measure_every, seed=seed, schedule=schedule,
             timeout=timeout, process_group_backend=process_group_backend, start_method=start_method,
         )
