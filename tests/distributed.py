@@ -46,8 +46,10 @@ def run_threads(world_size: int, fn: Callable[[int, dist.Store], Any], *, timeou
         t.join(timeout=timeout)
     stuck = [r for r, t in enumerate(threads) if t.is_alive()]
     if errors:
-        rank, err, tb = sorted(errors, key=lambda e: e[0])[0]
-        raise AssertionError(f"rank {rank} failed:\n{tb}") from err
+        ordered = sorted(errors, key=lambda e: e[0])
+        rank, err, _ = ordered[0]
+        report = "\n".join(f"rank {r} failed:\n{tb}" for r, _, tb in ordered)
+        raise AssertionError(report) from err
     if stuck:
         raise AssertionError(f"ranks {stuck} still running after {timeout}s: hang")
     return results

@@ -229,3 +229,92 @@ def test_bad_configuration_fails_at_construction():
     with pytest.raises(ValueError, match="measure_every"):
         GroupAverage(cfg(), schedule=ShuffleSchedule(world_size=2, num_groups=1), store=store, rank=0, world_size=2,
                      like=w, measure_every=0)
+
+
+@pytest.mark.parametrize("first", ["flusher", "others"])
+def test_flush_at_different_steps_fails_before_the_data_timeout(first):
+    """Rank 0 flushes at step 0 while the others arrive there. Flushing first: its round would run
+    a global allreduce against the others' send/recv; the header says so and every rank raises at
+    once rather than at the 60 s timeout. Flushing after the others' arrivals ran the round: the
+    flush itself raises (the others' round 0 was a regular one)."""
+
+    def fn(rank, store):
+        w = torch.full((3,), float(rank))
+        e = GroupAverage(cfg(mode="solo", timeout=timedelta(seconds=60)),
+                         schedule=ShuffleSchedule(world_size=4, num_groups=2), store=store, rank=rank, world_size=4,
+                         like=[w])
+        e.start()
+        if (rank == 0) == (first == "others"):
+            time.sleep(1.0)
+        began = time.monotonic()
+        try:
+            if rank == 0:
+                e.flush([w])
+            else:
+                e.arrive([w])
+            return "no error", 0.0
+        except Exception as err:  # noqa: BLE001
+            return str(err), time.monotonic() - began
+        finally:
+            e.close(timeout=2)
+
+    outcomes = run_threads(4, fn, timeout=90)
+    expected = range(4) if first == "flusher" else [0]
+    for rank, (message, elapsed) in enumerate(outcomes):
+        if rank in expected:
+            assert "same step" in message and "round 0" in message, outcomes
+            assert elapsed < 30, outcomes
+        else:
+            assert message == "no error", outcomes
+
+
+def test_flush_needs_the_model_and_state_dict_holds_no_models():
+    def fn(rank, store):
+        w = torch.full((2,), float(rank))
+        e = GroupAverage(cfg(mode="solo"), schedule=ShuffleSchedule(world_size=2, num_groups=1), store=store,
+                         rank=rank, world_size=2, like=[w])
+        e.start()
+        try:
+            with pytest.raises(ValueError, match="needs this rank's model"):
+                e.flush()
+            result = e.arrive([w])
+            apply_average(result, [w])
+            result.release()
+            state = e.state_dict()
+            e.flush([w]).release()
+            return state
+        finally:
+            e.close()
+
+    states = run_threads(2, fn)
+    assert all(s["step"] == 1 and s["pending"] == [] and s["pending_steps"] == [] for s in states), states
+    # Loading a state with models pending (an older file) ignores them.
+    fresh = GroupAverage(cfg(), schedule=ShuffleSchedule(world_size=2, num_groups=1), store=dist.HashStore(),
+                         rank=0, world_size=2, like=[torch.zeros(2)])
+    fresh.load_state_dict({**states[0], "pending": [[torch.ones(2)]], "pending_steps": [0]})
+    assert fresh.step == 1 and fresh.state_dict()["pending"] == []
+
+
+def test_apply_average_checks_the_tensors_against_the_round():
+    hist: dict[int, object] = {}
+
+    def fn(rank, store):
+        w = torch.full((2,), float(rank))
+        e = GroupAverage(cfg(mode="sync"), schedule=ShuffleSchedule(world_size=2, num_groups=1), store=store,
+                         rank=rank, world_size=2, like=[w])
+        e.start()
+        try:
+            result = e.arrive([w])
+            with pytest.raises(ValueError, match="pass the tensors given to arrive"):
+                apply_average(result, [torch.zeros(3)])
+            with pytest.raises(ValueError, match="pass the tensors given to arrive"):
+                apply_average(result, [w, w])
+            apply_average(result, [w])
+            result.release()
+            e.flush([w]).release()
+            hist[rank] = w.tolist()
+        finally:
+            e.close()
+
+    run_threads(2, fn)
+    assert hist[0] == hist[1] == [0.5, 0.5]

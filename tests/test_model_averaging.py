@@ -16,6 +16,7 @@ import lightning_partial
 from lightning_partial import DSSyncStrategy, WAGMAStrategy
 from lightning_partial.callbacks import GroupRotation
 from lightning_partial.collectives import ButterflySchedule, ShuffleSchedule
+from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY
 from tests.test_eager_sgd import FIT_ENV, fit_command, signal_rank_when_running
 
 
@@ -93,10 +94,11 @@ def run_fit(out: Path, strategy: str, *extra: str) -> list[dict]:
 )
 def test_fit_under_imbalance(tmp_path, strategy, schedule):
     """4 ranks, one 20 ms straggler per step: every rank follows the same schedule, the consensus
-    distance is measured and bounded, the final average leaves the replicas bit-identical."""
+    distance is measured and bounded, the final average leaves the replicas bit-identical (BatchNorm
+    buffers included)."""
     out = tmp_path / strategy
     records = run_fit(out, strategy, "--straggle-ms", "20", "--steps", "30", "--rotation", "5", "--track", "--csv",
-                      str(out / "csv"))
+                      str(out / "csv"), "--batchnorm")
     states = [torch.load(out / f"rank{r}.pt") for r in range(4)]
     for other in states[1:]:
         for key, value in states[0].items():
@@ -125,6 +127,55 @@ def test_fit_under_imbalance(tmp_path, strategy, schedule):
     header = (out / "csv" / "fit" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     for column in ("groups/group_id", "groups/members", "groups/consensus", "partial/fresh"):
         assert column in header
+
+
+def assert_identical(out: Path) -> dict[str, torch.Tensor]:
+    states = [torch.load(out / f"rank{r}.pt") for r in range(4)]
+    for other in states[1:]:
+        for key, value in states[0].items():
+            assert torch.equal(value, other[key]), key
+    return states[0]
+
+
+@pytest.mark.timeout(300)
+def test_resume_from_a_mid_run_checkpoint_continues_the_rounds(tmp_path):
+    """The checkpoint carries the round counter (the schedule goes on where it stopped), never models."""
+    first = tmp_path / "first"
+    run_fit(first, "wagma_sgd", "--straggle-ms", "10", "--steps", "12", "--save-at", "6", "--batchnorm")
+    entry = torch.load(first / "mid.ckpt", weights_only=False)[CHECKPOINT_KEY]
+    assert entry["strategy"] == "wagma_sgd" and entry["family"] == "models" and entry["world_size"] == 4
+    assert all(s["step"] == 6 and s["pending"] == [] for s in entry["engines"][0])
+
+    second = tmp_path / "second"
+    records = run_fit(second, "wagma_sgd", "--straggle-ms", "10", "--steps", "12", "--rotation", "3",
+                      "--batchnorm", "--resume", str(first / "mid.ckpt"))
+    schedule = ButterflySchedule(world_size=4, group_size=2)
+    for rank, record in enumerate(records):
+        assert [g["round_index"] for g in record["groups"]] == list(range(6, 12))
+        for g in record["groups"]:
+            r = g["round_index"]
+            want = (0, 1, 2, 3) if r == 9 else schedule.group_of(r, rank)  # global_every=10: round 9 is global
+            assert tuple(g["members"]) == want, (rank, g)
+    assert_identical(second)
+
+
+@pytest.mark.timeout(300)
+def test_resume_across_families_ignores_the_engine_state_with_a_warning(tmp_path):
+    """eager_sgd's checkpoint holds pending gradients; wagma_sgd cannot use them: it says so and starts afresh."""
+    first = tmp_path / "first"
+    run_fit(first, "eager_sgd", "--straggle-ms", "10", "--steps", "8", "--save-at", "4")
+    assert torch.load(first / "mid.ckpt", weights_only=False)[CHECKPOINT_KEY]["family"] == "gradients"
+    second = tmp_path / "second"
+    proc = subprocess.run(
+        fit_command(second, "--strategy", "wagma_sgd", "--steps", "8", "--rotation", "2", "--resume",
+                    str(first / "mid.ckpt")),
+        env=FIT_ENV, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "exchanges gradients" in proc.stderr and "start afresh at round 0" in proc.stderr, proc.stderr[-3000:]
+    record = json.loads((second / "callbacks0.json").read_text())
+    assert [g["round_index"] for g in record["groups"]] == list(range(4))  # 4 more steps, rounds from 0
+    assert_identical(second)
 
 
 @pytest.mark.timeout(300)

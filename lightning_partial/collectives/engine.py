@@ -246,6 +246,16 @@ class PartialAllreduce:
         """
         self._check_running("flush")
         with self._cond:
+            if self._snapshotted >= self._step:
+                # Round q ran already: other ranks *arrived* at step q (their arrivals
+                # activated it) while this rank flushes there. Under the lock, so that
+                # the communication thread either sees the flush mark or has run q.
+                raise PartialCollectiveError(
+                    f"flush() at step {self._step}, but other ranks arrived at this step and its round has run: "
+                    "every rank must flush at the same step (the same number of optimizer steps on every rank)",
+                    rank=self.rank,
+                    round_index=self._step,
+                )
             self._flush_round = self._step
         result = self._arrive(None if tensors is None else self._as_list(tensors), flush=True)
         self._state = "flushed"
@@ -612,20 +622,29 @@ class PartialAllreduce:
             works.append((self._start(self._header_pg, header, r, "header"), "header"))
         data_works, context = self._start_data(r, flats, global_round=global_round)
         works += data_works
+        flushing: list[int] = []
         for work, what in works:
             self._finish(work, r, what)
+            if what == "header":
+                # Checked before waiting on the data: a rank that flushes alone runs
+                # another data collective than the others (GroupAverage: a global
+                # allreduce against their group send/recv), which would only end
+                # at the timeout. Every rank sees the same header and raises here.
+                flushing = header[:, _FLUSH].tolist()
+                if 0 < sum(flushing) < self.world_size:
+                    raise PartialCollectiveError(
+                        f"ranks {[i for i, f in enumerate(flushing) if f]} called flush() at this round but ranks "
+                        f"{[i for i, f in enumerate(flushing) if not f]} arrived: every rank must flush at the "
+                        "same step (the same number of optimizer steps on every rank)",
+                        rank=self.rank,
+                        round_index=r,
+                    )
+        if not flushing:
+            flushing = header[:, _FLUSH].tolist()
 
         counts = header[:, _COUNT].tolist()
         newest = header[:, _NEWEST].tolist()
         oldest = header[:, _OLDEST].tolist()
-        flushing = header[:, _FLUSH].tolist()
-        if 0 < sum(flushing) < self.world_size:
-            raise PartialCollectiveError(
-                f"ranks {[i for i, f in enumerate(flushing) if f]} called flush() at this round but ranks "
-                f"{[i for i, f in enumerate(flushing) if not f]} arrived: every rank must flush at the same step",
-                rank=self.rank,
-                round_index=r,
-            )
         activators = [i for i, a in enumerate(header[:, _ACTIVATED].tolist()) if a]
         total = int(sum(counts))
         flats, divisor, extra = self._finish_data(r, flats, context, header, global_round=global_round)

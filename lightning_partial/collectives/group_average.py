@@ -141,6 +141,38 @@ class GroupAverage(PartialAllreduce):
         super().start()
         return self
 
+    def flush(self, tensors: Optional[Tensors] = None) -> RoundResult:
+        """The final global average of ``tensors`` (this rank's model): required, unlike gradients."""
+        if tensors is None:
+            raise ValueError(
+                f"rank {self.rank}: GroupAverage.flush() needs this rank's model (the final round averages it)"
+            )
+        return super().flush(tensors)
+
+    # ------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Round counter and initiator RNG; never models (**Decision**).
+
+        A pending deposit is a whole model that the checkpoint's weights
+        supersede: a resumed fit restarts every rank from the checkpoint's
+        replica (rank 0's), and its engine sends that model until the first
+        arrival. Saving deposits would add ``P`` models to the file and, on a
+        resume, mix models of other replicas into the restored one.
+        """
+        state = super().state_dict()
+        state["pending"], state["pending_steps"] = [], []
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores the round counter and the RNG; models pending in ``state`` are ignored (see :meth:`state_dict`)."""
+        if state.get("pending"):
+            log.warning(
+                "rank %d: ignoring %d pending model(s) in the engine state: the restored weights replace them",
+                self.rank,
+                len(state["pending"]),
+            )
+        super().load_state_dict({**state, "pending": [], "pending_steps": []})
+
     # ------------------------------------------------------------ hooks
     def _describe_contribution(self, deposits: list[_Deposit]) -> tuple[int, int, int]:
         # One model per rank and round; its step says how stale it is. Count 0: a
@@ -286,6 +318,12 @@ def apply_average(
         return
     n = len(result.stats.averaged or group)
     tensors = [current] if isinstance(current, Tensor) else list(current)
+    if len(tensors) != len(result.tensors) or any(u.shape != s.shape for u, s in zip(tensors, result.tensors)):
+        raise ValueError(
+            f"apply_average(): current has {len(tensors)} tensor(s) of shapes {[tuple(u.shape) for u in tensors]}, "
+            f"the round averaged {len(result.tensors)} of shapes {[tuple(s.shape) for s in result.tensors]}: "
+            "pass the tensors given to arrive()"
+        )
     global_round = result.stats.group_id == -1
     with torch.no_grad():
         for u, s, c in zip(tensors, result.tensors, result.sent):

@@ -15,10 +15,13 @@ round contains.
 
 Checkpoint layout (under ``checkpoint[CHECKPOINT_KEY]``)::
 
-    {"strategy": "eager_sgd", "world_size": P,
+    {"strategy": "eager_sgd", "family": "gradients", "world_size": P,
      "engines": {optimizer_index: [state of rank 0, ..., state of rank P-1]}}
 
-where a state is :meth:`PartialAllreduce.state_dict`.
+where a state is :meth:`PartialAllreduce.state_dict`. ``family`` says what the
+engines exchange (``"gradients"``: eager-SGD; ``"models"``: WAGMA-SGD and
+DS-Sync): a resume under a strategy of another family ignores the entry
+(:func:`resume_entry`), since one family's pending tensors mean nothing to the other.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ CHECKPOINT_KEY = "lightning_partial"
 
 
 def gather_engine_states(
-    states: dict[int, dict[str, Any]], *, rank: int, world_size: int, strategy: str
+    states: dict[int, dict[str, Any]], *, rank: int, world_size: int, strategy: str, family: str
 ) -> Optional[dict[str, Any]]:
     """Collective on the default group: returns the checkpoint entry on rank 0, ``None`` elsewhere."""
     gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
@@ -72,9 +75,31 @@ def gather_engine_states(
         )
     return {
         "strategy": strategy,
+        "family": family,
         "world_size": world_size,
         "engines": {index: [g[index] for g in gathered] for index in indices},
     }
+
+
+def resume_entry(entry: Optional[dict[str, Any]], *, strategy: str, family: str) -> Optional[dict[str, Any]]:
+    """The checkpoint entry if a strategy of ``family`` can resume it, else ``None`` (with a warning).
+
+    Entries written before ``family`` existed came from eager-SGD (gradients).
+    """
+    if entry is None:
+        log.info("the checkpoint holds no engine state (not written by a lightning_partial strategy): "
+                 "the engines start afresh")
+        return None
+    saved = entry.get("family", "gradients")
+    if saved == family:
+        return entry
+    pending = sum(len(s.get("pending", ())) for states in entry["engines"].values() for s in states)
+    log.warning(
+        "the checkpoint's engine state was written by %r, which exchanges %s; %r exchanges %s: it is ignored "
+        "and the engines start afresh at round 0 (%d pending %s dropped)",
+        entry.get("strategy"), saved, strategy, family, pending, saved,
+    )
+    return None
 
 
 def state_for_rank(per_rank: list[dict[str, Any]], *, rank: int, world_size: int) -> dict[str, Any]:

@@ -70,6 +70,7 @@ class ModelAveragingStrategy(PartialStrategy):
     """
 
     strategy_name = "model_averaging"
+    engine_family = "models"
 
     def __init__(
         self,

@@ -18,7 +18,9 @@ Contract (threads and collectives), common to eager-SGD, WAGMA-SGD and DS-Sync:
   its next batch, with no round after ``R`` left waiting. (In pure ``sync``
   mode, Lightning's own handling is kept.)
 * End of fit (main thread): the subclass's final round (``flush()``) on every
-  engine, so nothing computed is lost and all replicas end identical.
+  engine, so nothing computed is lost and all replicas end identical; then one
+  allreduce per buffer on the default group (floating-point buffers averaged,
+  others taken from rank 0), so that the buffers end identical too.
 * Checkpoints (every rank, main thread, default group): ``save_checkpoint``
   gathers every rank's engine state into rank 0's file with one
   ``gather_object``; a resumed fit gives each rank its own state back.
@@ -48,7 +50,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_partial import _compat
 from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundStats, create_store
-from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, gather_engine_states, state_for_rank
+from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, gather_engine_states, resume_entry, state_for_rank
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,8 @@ class PartialStrategy(ParallelStrategy):
     """
 
     strategy_name = "partial"
+    #: What the engines exchange: ``"gradients"`` or ``"models"`` (checked on resume).
+    engine_family = "gradients"
     partial_config: PartialAllreduceConfig
 
     def __init__(
@@ -279,6 +283,30 @@ class PartialStrategy(ParallelStrategy):
             self._final_states[index] = engine.state_dict()  # nothing pending: for a checkpoint after fit
             self.round_stats[index] = stats
         self._close_engines()
+        self._average_buffers()
+
+    def _average_buffers(self) -> None:
+        """Every rank, main thread, default group, once at the end of fit: makes the buffers identical.
+
+        Buffers (BatchNorm's running statistics) are never exchanged per step:
+        each replica tracks its own data's, where DDP broadcasts rank 0's before
+        every forward. At the end of fit floating-point buffers are replaced by
+        their mean over the ranks (statistics of all the data, not one rank's)
+        and the others (``num_batches_tracked``) by rank 0's, so that the replicas
+        end identical, buffers included.
+        """
+        if self.lightning_module is None or self.world_size < 2 or not _compat._distributed_is_initialized():
+            return
+        buffers = [b for b in self.lightning_module.buffers() if b.numel()]
+        if not buffers:
+            return
+        with torch.no_grad():
+            for b in buffers:
+                if b.is_floating_point():
+                    dist.all_reduce(b, op=dist.ReduceOp.SUM)  # bounded by the default group's timeout
+                    b.div_(self.world_size)
+                else:
+                    dist.broadcast(b, src=0)
 
     def _close_engines(self) -> None:
         if self._previous_sigterm_handler is not None:
@@ -302,7 +330,11 @@ class PartialStrategy(ParallelStrategy):
         states = {i: e.state_dict() for i, e in self._engines.items()} or dict(self._final_states)
         if states and _compat._distributed_is_initialized():
             entry = gather_engine_states(
-                states, rank=self.global_rank, world_size=self.world_size, strategy=self.strategy_name
+                states,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                strategy=self.strategy_name,
+                family=self.engine_family,
             )
             if entry is not None:
                 checkpoint[CHECKPOINT_KEY] = entry
@@ -312,9 +344,9 @@ class PartialStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Keeps the engines' state of a checkpoint for the engines created at ``on_train_start``."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._resume_state = checkpoint.get(CHECKPOINT_KEY)
-        if self._resume_state is None:
-            log.info("the checkpoint holds no engine state (not written by a lightning_partial strategy): the engines start afresh")
+        self._resume_state = resume_entry(
+            checkpoint.get(CHECKPOINT_KEY), strategy=self.strategy_name, family=self.engine_family
+        )
         return checkpoint
 
     # ---------------------------------------------------------- collectives

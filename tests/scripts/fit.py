@@ -5,7 +5,9 @@ Each rank writes its final parameters to ``<out>/rank<R>.pt``, its pid to
 ``<out>/stopped<R>`` (the global step) if the fit ended by SIGTERM, and
 ``<out>/callbacks<R>.json``: what ``LoadImbalance`` injected per batch, the
 ``StalenessTracker`` summary (``--track``) and, with ``--spy``, the collectives
-issued on the default group while the batches ran.
+issued on the default group while the batches ran. ``--save-at N`` writes
+``<out>/mid.ckpt`` after N steps, ``--resume PATH`` resumes from one;
+``--batchnorm`` adds a BatchNorm layer (buffers each replica updates).
 
 Imbalance (``lightning_partial.callbacks.LoadImbalance``): ``--imbalance-ms``
 (alias ``--straggle-ms``) makes ``--stragglers`` ranks per batch, drawn with a
@@ -42,9 +44,10 @@ from lightning_partial.callbacks import GroupRotation, LoadImbalance, StalenessT
 
 
 class Regressor(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, batchnorm: bool = False) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        norm = [torch.nn.BatchNorm1d(16)] if batchnorm else []  # buffers that each replica updates itself
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), *norm, torch.nn.Tanh(), torch.nn.Linear(16, 1))
         self.pid_dir: Path | None = None
 
     def training_step(self, batch, batch_idx):
@@ -60,6 +63,17 @@ class Regressor(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class SaveAt(L.Callback):
+    """Saves ``<out>/mid.ckpt`` after ``step`` optimizer steps (every rank calls it, as Lightning requires)."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
 
 
 class Probe(L.Callback):
@@ -109,6 +123,9 @@ def main() -> None:
     parser.add_argument("--spy", action="store_true", help="count default-group collectives while batches run")
     parser.add_argument("--rotation", type=int, default=None, help="add a GroupRotation(consensus_every=N)")
     parser.add_argument("--strategy-kw", default="{}", help="JSON keyword arguments of a configured strategy")
+    parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d layer (per-replica buffers)")
+    parser.add_argument("--save-at", type=int, default=None, help="save <out>/mid.ckpt after this many steps")
+    parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to resume the fit from")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -117,7 +134,7 @@ def main() -> None:
     x = torch.randn(2048, 8, generator=g)
     y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(2048, 1, generator=g)
     loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
-    model = Regressor()
+    model = Regressor(batchnorm=args.batchnorm)
     model.pid_dir = args.out / "pids"
     strategy: Any = args.strategy
     if strategy.startswith("eager_sgd:"):  # a configured instance rather than a registry name
@@ -134,7 +151,8 @@ def main() -> None:
     )
     tracker = StalenessTracker() if args.track else None
     rotation = GroupRotation(consensus_every=args.rotation) if args.rotation is not None else None
-    callbacks = [c for c in (probe, imbalance, tracker, rotation) if c is not None]
+    saver = SaveAt(args.save_at, args.out / "mid.ckpt") if args.save_at is not None else None
+    callbacks = [c for c in (probe, imbalance, tracker, rotation, saver) if c is not None]
     loggers: list[Logger] = []
     if args.csv is not None:
         loggers.append(CSVLogger(args.csv, name="fit", version=0))
@@ -159,7 +177,7 @@ def main() -> None:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     try:
-        trainer.fit(model, loader)
+        trainer.fit(model, loader, ckpt_path=args.resume)
     except SIGTERMException:
         # Every rank is expected here at the same step: the test compares the markers.
         (args.out / f"stopped{trainer.global_rank}").write_text(str(trainer.global_step))
