@@ -9,13 +9,20 @@ from lightning_partial.collectives import (
     RoundStats,
 )
 
-from lightning_partial.strategies import DSSyncStrategy, EagerSGDStrategy, WAGMAStrategy, register_strategies
+from lightning_partial.strategies import (
+    ABSSGDStrategy,
+    DSSyncStrategy,
+    EagerSGDStrategy,
+    WAGMAStrategy,
+    register_strategies,
+)
 
 __version__ = "0.1.0"
 
-register_strategies()  # eager_sgd, eager_sgd_majority, wagma_sgd, ds_sync and their spawn variants; idempotent
+register_strategies()  # eager_sgd(_majority), wagma_sgd, ds_sync, abs_sgd and their spawn variants; idempotent
 
 __all__ = [
+    "ABSSGDStrategy",
     "DSSyncStrategy",
     "EagerSGDStrategy",
     "PartialAllreduce",

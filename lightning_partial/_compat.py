@@ -74,3 +74,32 @@ def install_sigterm_handler(handler: Callable[[int, Any], None]) -> Any:
 def restore_sigterm_handler(previous: Any) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, previous)
+
+
+# --------------------------------------------------------------- abs_sgd
+def mark_last_batch(trainer: Any) -> None:
+    """Makes the batch now starting the epoch's last one (the epoch ends after it, with its validation).
+
+    Lightning sets ``batch_progress.is_last_batch`` from the data fetcher just
+    before ``on_train_batch_start``; an elastic (length-less) loader never ends,
+    so ABS-SGD ends the epoch here, at the round that completed the epoch's
+    global samples.
+    """
+    trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
+
+
+def add_optimizer_steps(trainer: Any, delta: int) -> None:
+    """Adds ``delta`` (may be negative) to Lightning's optimizer-step counter (``trainer.global_step``).
+
+    Called from ``Strategy.optimizer_step``, before Lightning's own increment of
+    one: a micro-batch that applied ``k`` round results then counts ``k`` steps.
+    """
+    progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+    for tracker in (progress.total, progress.current):
+        tracker.ready += delta
+        tracker.completed += delta
+
+
+def before_optimizer_step(precision_plugin: Any, model: Any, optimizer: Any) -> None:
+    """What Lightning runs between the closure and ``optimizer.step()``: the hooks, then gradient clipping."""
+    precision_plugin._after_closure(model, optimizer)

@@ -4,6 +4,7 @@ See :class:`PartialAllreduce` for the threads-and-collectives contract.
 """
 
 from lightning_partial.collectives.config import PartialAllreduceConfig
+from lightning_partial.collectives.delayed import DelayedAllreduce, DelayedConfig
 from lightning_partial.collectives.engine import PartialAllreduce, RoundResult
 from lightning_partial.collectives.errors import (
     EngineClosedError,
@@ -17,6 +18,8 @@ from lightning_partial.collectives.store import create_store
 
 __all__ = [
     "ButterflySchedule",
+    "DelayedAllreduce",
+    "DelayedConfig",
     "GroupAverage",
     "Schedule",
     "ShuffleSchedule",

@@ -75,6 +75,24 @@ class ControlPlane:
         keys = [f"go/{round_index}/{i}" for i in range(self.world_size)]
         self._call(lambda: self.main.multi_set(keys, ["1"] * len(keys)), round_index, "activate")
 
+    def activate_from_comm(self, round_index: int) -> None:
+        """:meth:`activate`, from the communication thread (its own store client)."""
+        keys = [f"go/{round_index}/{i}" for i in range(self.world_size)]
+        self._call(lambda: self.comm.multi_set(keys, ["1"] * len(keys)), round_index, "activate")
+
+    def activation_value(self, round_index: int) -> str:
+        """Communication thread, once the key exists: ``"woken"`` if only :meth:`wake` set it."""
+        key = f"go/{round_index}/{self.rank}"
+        return self._call(lambda: self.comm.get(key), round_index, "read the activation").decode()
+
+    def is_activated(self, round_index: int) -> bool:
+        """Caller's thread: whether this rank's activation key of ``round_index`` is set."""
+        key = f"go/{round_index}/{self.rank}"
+        if not self._call(lambda: self.main.check([key]), round_index, "check the activation"):
+            return False
+        value = self._call(lambda: self.main.get(key), round_index, "read the activation").decode()
+        return value != "woken"  # only this rank's own wake() set it
+
     def discard(self, key: str) -> None:
         with self._garbage_lock:
             self._garbage.append(key)

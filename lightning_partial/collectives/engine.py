@@ -64,6 +64,8 @@ class _Deposit:
     flats: list[Tensor]
     step: int
     ready: Optional[torch.cuda.Event] = None  # recorded on the producer's stream
+    samples: int = 0  # DelayedAllreduce: samples summed into ``flats``
+    first_step: Optional[int] = None  # DelayedAllreduce: round index of the oldest micro-batch in it
 
 
 @dataclass(frozen=True, eq=False)
@@ -514,7 +516,7 @@ class PartialAllreduce:
                 if synchronous:
                     self._wait_own_arrival(r)
                 else:
-                    control.wait_activated(r, self.config.timeout)
+                    self._await_activation(r)
                 activated = time.monotonic()
                 with self._cond:
                     if self._closing:
@@ -541,6 +543,7 @@ class PartialAllreduce:
                 control.collect(r, activated_through_store=not synchronous)
                 if result.stats.flush or result.stats.stop:
                     return
+                self._after_round(r, result)
                 r += 1
         except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
             with self._cond:
@@ -569,8 +572,17 @@ class PartialAllreduce:
                 self._cond.wait(timeout=remaining)
 
     # Hooks for engines that exchange something else than a global sum of
-    # gradients (GroupAverage): what a rank contributes, which data collectives
-    # a round issues, and how their outcome becomes the round's result.
+    # gradients (GroupAverage), or that activate rounds otherwise (DelayedAllreduce):
+    # how a round gets activated, what a rank contributes, which data collectives
+    # a round issues, how their outcome becomes the round's result, what follows it.
+    def _await_activation(self, r: int) -> None:
+        """Communication thread: blocks until round ``r`` is activated (through the store)."""
+        assert self._control is not None
+        self._control.wait_activated(r, self.config.timeout)
+
+    def _after_round(self, r: int, result: RoundResult) -> None:
+        """Communication thread, after round ``r`` was published (not after a flush or stop round)."""
+
     def _describe_contribution(self, deposits: list[_Deposit]) -> tuple[int, int, int]:
         """Header columns of this rank's contribution: (count, newest step, oldest step); steps -1 if none."""
         if not deposits:

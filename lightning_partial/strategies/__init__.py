@@ -1,5 +1,6 @@
 """Lightning strategies over the partial-collective engines."""
 
+from lightning_partial.strategies.abs_sgd import ABSSGDStrategy
 from lightning_partial.strategies.ds_sync import DSSyncStrategy
 from lightning_partial.strategies.eager_sgd import EagerSGDStrategy
 from lightning_partial.strategies.model_averaging import ModelAveragingStrategy
@@ -14,9 +15,11 @@ def register_strategies() -> None:
     EagerSGDStrategy.register_strategies(StrategyRegistry)
     WAGMAStrategy.register_strategies(StrategyRegistry)
     DSSyncStrategy.register_strategies(StrategyRegistry)
+    ABSSGDStrategy.register_strategies(StrategyRegistry)
 
 
 __all__ = [
+    "ABSSGDStrategy",
     "DSSyncStrategy",
     "EagerSGDStrategy",
     "ModelAveragingStrategy",

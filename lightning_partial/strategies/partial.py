@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -112,6 +112,9 @@ class PartialStrategy(ParallelStrategy):
         self._final_states: dict[int, dict[str, Any]] = {}  # engine states after the final flush
         # The latest round's statistics per optimizer index (read by StalenessTracker).
         self.round_stats: dict[int, RoundStats] = {}
+        # Called with (optimizer index, stats) for every round this rank applies, in order
+        # (callbacks that need every round, not only the latest: AdaptiveBatchSize).
+        self.round_listeners: list[Callable[[int, RoundStats], None]] = []
 
     # ------------------------------------------------------------ topology
     @property
@@ -229,15 +232,17 @@ class PartialStrategy(ParallelStrategy):
                 continue
             engine = self._build_engine(index, params, self._store)
             if resume is not None and index in resume["engines"]:
-                engine.load_state_dict(
-                    state_for_rank(resume["engines"][index], rank=self.global_rank, world_size=self.world_size)
-                )
+                engine.load_state_dict(self._engine_state(resume["engines"][index]))
             self._engines[index] = engine.start()
             self._params[index] = params
         if self.partial_config.mode != "sync":
             # A globally synchronous step costs the broadcast nothing extra: keep
             # Lightning's own SIGTERM handling in pure sync mode.
             _compat.replace_sigterm_broadcast(trainer, lambda: self._stopped)
+
+    def _engine_state(self, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+        """This rank's engine state from a checkpoint's per-rank states."""
+        return state_for_rank(per_rank, rank=self.global_rank, world_size=self.world_size)
 
     @override
     def on_train_start(self) -> None:
@@ -258,6 +263,8 @@ class PartialStrategy(ParallelStrategy):
 
     def _record(self, index: int, stats: RoundStats) -> None:
         self.round_stats[index] = stats
+        for listener in self.round_listeners:
+            listener(index, stats)
         if stats.stop:
             self._stopped = True  # the next batch start raises SIGTERMException on every rank
 

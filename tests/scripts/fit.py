@@ -40,7 +40,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_partial  # noqa: F401 - registers the strategies
-from lightning_partial.callbacks import GroupRotation, LoadImbalance, StalenessTracker
+from lightning_partial.callbacks import AdaptiveBatchSize, GroupRotation, LoadImbalance, StalenessTracker
 
 
 class Regressor(L.LightningModule):
@@ -66,14 +66,32 @@ class Regressor(L.LightningModule):
 
 
 class SaveAt(L.Callback):
-    """Saves ``<out>/mid.ckpt`` after ``step`` optimizer steps (every rank calls it, as Lightning requires)."""
+    """Saves ``<out>/mid.ckpt`` after ``step`` optimizer steps, or at the end of epoch ``epoch``
+    (every rank calls it, as Lightning requires; abs_sgd: at an epoch end, which every rank reaches)."""
 
-    def __init__(self, step: int, path: Path) -> None:
-        self.step, self.path = step, path
+    def __init__(self, path: Path, step: int | None = None, epoch: int | None = None) -> None:
+        self.step, self.epoch, self.path = step, epoch, path
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step:
+        if self.step is not None and trainer.global_step == self.step:
             trainer.save_checkpoint(self.path)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if self.epoch is not None and trainer.current_epoch == self.epoch:
+            trainer.save_checkpoint(self.path)
+
+
+class EpochProbe(L.Callback):
+    """Counts the batches of each epoch (abs_sgd: a fast rank draws more)."""
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self.batches.append(0)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches[-1] += 1
 
 
 class Probe(L.Callback):
@@ -124,7 +142,10 @@ def main() -> None:
     parser.add_argument("--rotation", type=int, default=None, help="add a GroupRotation(consensus_every=N)")
     parser.add_argument("--strategy-kw", default="{}", help="JSON keyword arguments of a configured strategy")
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d layer (per-replica buffers)")
+    parser.add_argument("--max-epochs", type=int, default=None, help="Trainer(max_epochs); then --steps is ignored")
+    parser.add_argument("--adaptive", action="store_true", help="add an AdaptiveBatchSize(window=4, min_batch_size=2) (abs_sgd)")
     parser.add_argument("--save-at", type=int, default=None, help="save <out>/mid.ckpt after this many steps")
+    parser.add_argument("--save-epoch", type=int, default=None, help="save <out>/mid.ckpt at this epoch's end")
     parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to resume the fit from")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -142,7 +163,7 @@ def main() -> None:
     kw = json.loads(args.strategy_kw)
     if kw:
         classes = {"eager_sgd": lightning_partial.EagerSGDStrategy, "wagma_sgd": lightning_partial.WAGMAStrategy,
-                   "ds_sync": lightning_partial.DSSyncStrategy}
+                   "ds_sync": lightning_partial.DSSyncStrategy, "abs_sgd": lightning_partial.ABSSGDStrategy}
         strategy = classes[args.strategy](**kw)
 
     probe = Probe() if args.spy else None
@@ -151,8 +172,12 @@ def main() -> None:
     )
     tracker = StalenessTracker() if args.track else None
     rotation = GroupRotation(consensus_every=args.rotation) if args.rotation is not None else None
-    saver = SaveAt(args.save_at, args.out / "mid.ckpt") if args.save_at is not None else None
-    callbacks = [c for c in (probe, imbalance, tracker, rotation, saver) if c is not None]
+    saver = None
+    if args.save_at is not None or args.save_epoch is not None:
+        saver = SaveAt(args.out / "mid.ckpt", step=args.save_at, epoch=args.save_epoch)
+    adaptive = AdaptiveBatchSize(window=4, min_batch_size=2) if args.adaptive else None  # BatchNorm needs 2
+    epochs = EpochProbe()
+    callbacks = [c for c in (probe, imbalance, tracker, rotation, saver, adaptive, epochs) if c is not None]
     loggers: list[Logger] = []
     if args.csv is not None:
         loggers.append(CSVLogger(args.csv, name="fit", version=0))
@@ -167,7 +192,8 @@ def main() -> None:
         strategy=strategy,
         accelerator="cpu",
         devices=args.devices,
-        max_steps=args.steps,
+        max_steps=-1 if args.max_epochs is not None else args.steps,
+        max_epochs=args.max_epochs,
         callbacks=callbacks,
         logger=loggers or False,
         log_every_n_steps=1,
@@ -197,6 +223,10 @@ def main() -> None:
             "records": [asdict(r) for r in imbalance.records],
         },
     }
+    record["global_step"] = trainer.global_step
+    record["epoch_batches"] = epochs.batches
+    if adaptive is not None:
+        record["adaptive"] = [[r, list(sizes)] for r, sizes in adaptive.history]
     if rotation is not None:
         record["groups"] = [asdict(r) for r in rotation.history]
     if tracker is not None:

@@ -1,0 +1,224 @@
+"""ABS-SGD against DDP under persistent heterogeneity (speed factors 1, 1, 0.5, 0.25), one invocation.
+
+Three 4-process CPU fits of the imbalance benchmark's task and model
+(``benchmarks/imbalance.py``: teacher-labelled 10-class data, MLP 32-512-512-512-10,
+SGD lr 0.05 momentum 0.9), each over **one epoch of the same dataset**
+(``--steps x 4 x --batch-size`` samples), with
+``LoadImbalance(speed=(1, 1, 0.5, 0.25))`` (a rank with factor ``f`` sleeps so
+that its batches take ``1/f`` as long):
+
+* ``ddp``: ``--steps`` synchronous steps of ``--batch-size`` per rank;
+* ``abs_sgd``: ``strategy="abs_sgd"`` with ``AdaptiveBatchSize``: the epoch
+  ends when the ranks together have drawn the dataset's samples;
+* ``no_comm``: every rank trains alone on its shard (the bound: the sum of the
+  ranks' solo speeds, samples/s summed over ranks).
+
+Reported: samples/s (all ranks), ratios to DDP and to the bound, rank 0's
+training loss at the end, the held-out accuracy, and the time ABS-SGD takes to
+reach DDP's final loss (rank 0's loss averaged over 10 batches, against DDP's
+last 10) as a ratio of DDP's training time. Writes ``results/heterogeneity.json``
+and a PNG beside it.
+
+Run: ``.venv/bin/python benchmarks/heterogeneity.py`` (about 2 minutes, on an idle machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from imbalance import BatchDataset, batch_collate, build_mlp, evaluate, make_task  # noqa: E402
+
+SPEED = (1.0, 1.0, 0.5, 0.25)
+CONFIGS = ("ddp", "abs_sgd", "no_comm")
+WINDOW = 10
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import lightning as L
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+
+    import lightning_partial
+    from lightning_partial.callbacks import AdaptiveBatchSize, LoadImbalance
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    L.seed_everything(args.seed, verbose=False)
+    task = make_task(args.seed)
+    n = args.steps * 4 * args.batch_size
+    dataset = BatchDataset(task["x_train"][:n], task["y_train"][:n])
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True,
+                                         collate_fn=batch_collate)
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = build_mlp(512, 3)
+            self.trace: list[tuple[float, float, int]] = []  # (time, loss, samples)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.cross_entropy(self.net(x), y)
+            self.trace.append((time.perf_counter(), float(loss.detach()), len(x)))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    class Clock(L.Callback):
+        t_start = t_end = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if self.t_start is None:
+                self.t_start = time.perf_counter()
+
+        def on_train_end(self, trainer, pl_module):
+            pass
+
+    clock = Clock()
+    callbacks: list[Any] = [clock, LoadImbalance(speed=SPEED, log=False)]
+    if args.run == "abs_sgd":
+        strategy: Any = "abs_sgd"
+        callbacks.append(AdaptiveBatchSize(window=8, log=False))
+    elif args.run == "no_comm":
+        from baselines import NoCommStrategy
+
+        strategy = NoCommStrategy()
+    else:
+        strategy = "ddp"
+    model = Net()
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=4, plugins=[LightningEnvironment()],
+                        max_epochs=1, callbacks=callbacks, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    assert lightning_partial  # registers abs_sgd
+    trainer.fit(model, loader)
+    t_end = time.perf_counter()
+    test_loss, test_acc = evaluate(model.net, task["x_test"], task["y_test"])
+    record = {
+        "rank": trainer.global_rank,
+        "t_start": clock.t_start,
+        "t_end": t_end,
+        "samples": sum(s for _, _, s in model.trace),
+        "batches": len(model.trace),
+        "trace": [(round(t - clock.t_start, 4), round(x, 5)) for t, x, _ in model.trace],
+        "global_step": trainer.global_step,
+        "test_loss": test_loss,
+        "test_acc": test_acc,
+    }
+    (args.workdir / f"{args.run}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
+    return 0
+
+
+def smoothed(trace: list[list[float]]) -> list[tuple[float, float]]:
+    out = []
+    for i in range(WINDOW - 1, len(trace)):
+        out.append((trace[i][0], sum(x for _, x in trace[i - WINDOW + 1 : i + 1]) / WINDOW))
+    return out
+
+
+def run_parent(args: argparse.Namespace) -> dict[str, Any]:
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    for name in CONFIGS:
+        began = time.monotonic()
+        subprocess.run([sys.executable, __file__, "--run", name, "--workdir", str(args.workdir), "--steps",
+                        str(args.steps), "--batch-size", str(args.batch_size)], check=True, timeout=900,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+        ranks = [json.loads((args.workdir / f"{name}.rank{r}.json").read_text()) for r in range(4)]
+        wall = max(r["t_end"] for r in ranks) - min(r["t_start"] for r in ranks)
+        if name == "no_comm":  # each rank alone: the sum of the ranks' own speeds
+            samples_per_s = sum(r["samples"] / (r["t_end"] - r["t_start"]) for r in ranks)
+        else:
+            samples_per_s = sum(r["samples"] for r in ranks) / wall
+        curve = smoothed(ranks[0]["trace"])
+        results[name] = {
+            "wall_s": wall,
+            "samples": [r["samples"] for r in ranks],
+            "batches": [r["batches"] for r in ranks],
+            "samples_per_s": samples_per_s,
+            "final_loss": curve[-1][1] if curve else None,
+            "test_acc": ranks[0]["test_acc"],
+            "test_loss": ranks[0]["test_loss"],
+            "global_step": ranks[0]["global_step"],
+            "curve": curve,
+        }
+        logging.info("%s: done in %.0f s", name, time.monotonic() - began)
+    ddp, abs_, bound = results["ddp"], results["abs_sgd"], results["no_comm"]
+    target = ddp["final_loss"]
+    reach = next((t for t, x in abs_["curve"] if x <= target), None)
+    summary = {
+        "abs_vs_ddp_samples_per_s": abs_["samples_per_s"] / ddp["samples_per_s"],
+        "abs_vs_bound": abs_["samples_per_s"] / bound["samples_per_s"],
+        "ddp_vs_bound": ddp["samples_per_s"] / bound["samples_per_s"],
+        "abs_time_to_ddp_final_loss_s": reach,
+        "abs_time_to_ddp_final_loss_ratio": reach / ddp["wall_s"] if reach is not None else None,
+    }
+    return {"speed": SPEED, "steps": args.steps, "batch_size": args.batch_size, "results": results,
+            "summary": summary}
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(CONFIGS)
+    a.bar(names, [report["results"][n]["samples_per_s"] for n in names], color=["#888", "#2a7", "#ccc"])
+    a.set_ylabel("samples/s (all ranks)")
+    a.set_title(f"speeds {SPEED}")
+    for n in ("ddp", "abs_sgd"):
+        curve = report["results"][n]["curve"]
+        b.plot([t for t, _ in curve], [x for _, x in curve], label=n)
+    b.axhline(report["results"]["ddp"]["final_loss"], color="#888", linestyle=":")
+    b.set_xlabel("seconds")
+    b.set_ylabel(f"rank 0 training loss (mean of {WINDOW} batches)")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=120, help="DDP steps of the epoch (dataset = steps x 4 x batch)")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "heterogeneity.json")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/lightning_partial_heterogeneity"))
+    parser.add_argument("--run", choices=CONFIGS, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run is not None:
+        return run_worker(args)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    report = run_parent(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    slim = {**report, "results": {k: {kk: vv for kk, vv in v.items() if kk != "curve"}
+                                  for k, v in report["results"].items()}}
+    args.out.write_text(json.dumps(slim, indent=1))
+    plot(report, args.out.with_suffix(".png"))
+    print(f"{'config':10} {'samples/s':>10} {'x DDP':>7} {'x bound':>8} {'loss':>7} {'test acc':>8} {'wall s':>7}")
+    for name in CONFIGS:
+        r = report["results"][name]
+        print(f"{name:10} {r['samples_per_s']:10.0f} {r['samples_per_s'] / report['results']['ddp']['samples_per_s']:7.2f} "
+              f"{r['samples_per_s'] / report['results']['no_comm']['samples_per_s']:8.2f} "
+              f"{r['final_loss']:7.3f} {r['test_acc']:8.3f} {r['wall_s']:7.1f}")
+    print("summary:", json.dumps(report["summary"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

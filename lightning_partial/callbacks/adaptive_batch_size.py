@@ -1,0 +1,119 @@
+"""AdaptiveBatchSize: per-rank micro-batch sizes from measured throughput (``strategy="abs_sgd"``).
+
+Under ``abs_sgd`` every rank keeps computing micro-batches, so a slow rank
+never idles; but a slow rank's full-size micro-batch spans several rounds, and
+its gradient, computed on weights several rounds old, is that stale. This
+callback sizes each rank's micro-batch to its speed, so that every rank
+completes about one micro-batch per round (**Decision**, the paper's aim:
+workers finishing their batches together):
+
+    b_i = clamp(round(B * s_i / max_j s_j), min_batch_size, B)
+
+where ``B`` is the loader's batch size (the fastest rank keeps it) and ``s_i``
+rank ``i``'s samples per round over the last ``window`` rounds (its share of
+the work; every rank is always busy, so that is its throughput). The
+per-rank samples travel in every round's header, so every rank computes the
+same sizes for every rank at the same round, with no collective, and rank 0
+can log all of them: ``abs/batch_size`` (this rank's), ``abs/batch_size_rank{i}``
+and ``abs/samples_per_round_rank{i}``. Sizes are updated every ``window``
+rounds; the next batch drawn has the new size (the strategy's
+:class:`~lightning_partial.data.ElasticBatchSampler`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Optional
+
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_partial.collectives import RoundStats
+
+
+class AdaptiveBatchSize(Callback):
+    """Adapts this rank's micro-batch size to its measured share of the samples (see the module docstring).
+
+    Args:
+        window: rounds per measurement and between updates (>= 1).
+        min_batch_size: the smallest micro-batch (>= 1).
+        log: log the sizes to the Lightning loggers.
+    """
+
+    def __init__(self, window: int = 8, min_batch_size: int = 1, log: bool = True) -> None:
+        for name, value in (("window", window), ("min_batch_size", min_batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"AdaptiveBatchSize: {name} must be an integer >= 1, got {value!r}")
+        self.window = window
+        self.min_batch_size = min_batch_size
+        self.log = log
+        self.base: Optional[int] = None
+        self.sizes: Optional[tuple[int, ...]] = None  # every rank's current size
+        self.history: list[tuple[int, tuple[int, ...]]] = []  # (round, sizes) at each update
+        self._counts: deque[tuple[int, ...]] = deque(maxlen=window)
+        self._rank = 0
+        self._sampler: Any = None
+        self._pending_log: Optional[dict[str, float]] = None
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        from lightning_partial.strategies.abs_sgd import ABSSGDStrategy
+
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        if not isinstance(strategy, ABSSGDStrategy):
+            raise ValueError(
+                f"AdaptiveBatchSize needs strategy='abs_sgd' (per-rank micro-batches), got {type(strategy).__name__}"
+            )
+        self._rank = trainer.global_rank
+        if self._on_round not in strategy.round_listeners:
+            strategy.round_listeners.append(self._on_round)
+        self._strategy = strategy
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        sampler = getattr(self._strategy, "sampler", None)
+        if sampler is None:
+            raise RuntimeError("AdaptiveBatchSize: the abs_sgd strategy has no elastic sampler")
+        self._sampler = sampler
+        self.base = sampler.batch_size
+
+    def _on_round(self, index: int, stats: RoundStats) -> None:
+        """Strategy's thread (the training loop), for every round applied, in order: the same on every rank."""
+        if index != 0 or self.base is None or stats.flush:
+            return
+        self._counts.append(stats.counts)
+        if len(self._counts) < self.window or (stats.round_index + 1) % self.window:
+            return
+        shares = [sum(c[i] for c in self._counts) for i in range(len(stats.counts))]
+        top = max(shares)
+        if top <= 0:
+            return
+        sizes = tuple(
+            max(self.min_batch_size, min(self.base, round(self.base * s / top))) for s in shares
+        )
+        self.sizes = sizes
+        self.history.append((stats.round_index, sizes))
+        self._sampler.batch_size = sizes[self._rank]
+        per_round = [s / len(self._counts) for s in shares]
+        self._pending_log = {
+            "abs/batch_size": float(sizes[self._rank]),
+            **{f"abs/batch_size_rank{i}": float(b) for i, b in enumerate(sizes)},
+            **{f"abs/samples_per_round_rank{i}": float(x) for i, x in enumerate(per_round)},
+        }
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.log and self._pending_log is not None and trainer.loggers:
+            pl_module.log_dict(self._pending_log, on_step=True, on_epoch=False)
+        self._pending_log = None
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        strategy = getattr(self, "_strategy", None)
+        if strategy is not None and self._on_round in strategy.round_listeners:
+            strategy.round_listeners.remove(self._on_round)

@@ -1,0 +1,428 @@
+"""DelayedAllreduce: ABS-SGD's delayed, sample-weighted allreduce with adaptive per-rank batches.
+
+ALGORITHMS.md section 4 leaves open what starts a round and how epochs end;
+the rules fixed here (**Decisions**):
+
+* **Contributions.** The caller deposits every micro-batch it completes: its
+  mean gradient and its number of samples ``b``. The engine accumulates
+  ``b * gradient`` and ``b`` per rank. A round takes everything a rank
+  accumulated when its communication thread snapshots the round (so a fast
+  rank contributes more samples, and no rank ever waits to contribute), sums
+  gradients and samples over all ranks (the samples travel in the round
+  header) and returns ``sum_i G_i / sum_i b_i``: the sample-weighted mean.
+* **What starts a round** (``trigger``). ``"samples"`` (default): a rank that
+  has accumulated ``target_samples`` samples since its last contribution
+  requests the next round. ``"time"``: a rank whose last contribution is
+  ``interval`` seconds old (and that has something to contribute) requests
+  it. A request takes effect once this rank's previous round has completed:
+  its communication thread then activates the next round for every rank
+  (through the store, as eager-SGD's solo mode). Hence the fastest rank paces
+  the rounds, at most one round is in flight per rank, and the allreduce of
+  round ``r`` overlaps the micro-batches that will go into round ``r + 1``.
+* **Delay.** The result of round ``r`` is handed to the caller at its first
+  micro-batch boundary after round ``r + 1`` started on this rank: exactly one
+  round late. Every rank applies every result once, in round order, so the
+  replicas stay bit-identical.
+* **Agreement.** Every rank sees every round's header, so every rank counts
+  the same global samples and rounds: the round after which the samples
+  reach ``k * epoch_samples`` ends epoch ``k``; the round that reaches
+  ``max_epochs`` epochs or ``max_rounds`` rounds is final (no rank requests
+  another). :meth:`pause`, :meth:`known_round` and :meth:`drain` let the
+  caller's side agree on a round after which nothing is in flight (a
+  checkpoint; the end of fit), and :meth:`finish` runs the final,
+  synchronous round after it: nothing pending is lost.
+
+Threads and collectives: the caller's thread calls :meth:`deposit` after each
+micro-batch and applies what it returns; it issues no collective (it only
+sets its own store key to wake its communication thread). The communication
+thread runs the rounds: activation through the store, the int64 header
+allreduce (samples per rank) on the gloo header group, the data allreduce on
+the data group.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_partial.collectives.config import PartialAllreduceConfig
+from lightning_partial.collectives.engine import PartialAllreduce, RoundResult, Tensors, _Deposit
+from lightning_partial.collectives.errors import PartialCollectiveTimeout
+from lightning_partial.collectives.stats import RoundStats
+
+Trigger = Literal["samples", "time"]
+TRIGGERS: tuple[str, ...] = ("samples", "time")
+
+
+def _positive_int(name: str, value: Any, *, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1{' or None' if optional else ''}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DelayedConfig:
+    """What starts a round of a :class:`DelayedAllreduce`, and when training ends.
+
+    Args:
+        trigger: ``"samples"`` or ``"time"`` (see the module docstring).
+        target_samples: ``"samples"``: the samples a rank accumulates before it
+            requests a round (the fastest rank reaches it first).
+        interval: ``"time"``: seconds between a rank's contributions.
+        epoch_samples: global samples of one epoch (the dataset's size); ``None``: no epochs.
+        max_epochs: the round that completes this many epochs is final (needs ``epoch_samples``).
+        max_rounds: the round with index ``max_rounds - 1`` is final.
+        timeout: bound on every blocking wait.
+        name: prefix of the engine's store keys and process groups.
+    """
+
+    trigger: Trigger = "samples"
+    target_samples: Optional[int] = None
+    interval: Optional[float] = None
+    epoch_samples: Optional[int] = None
+    max_epochs: Optional[int] = None
+    max_rounds: Optional[int] = None
+    timeout: timedelta = timedelta(minutes=30)
+    name: str = "abs_sgd"
+
+    def __post_init__(self) -> None:
+        if self.trigger not in TRIGGERS:
+            raise ValueError(f"unknown trigger {self.trigger!r}: expected one of {', '.join(TRIGGERS)}")
+        if self.trigger == "samples":
+            _positive_int("target_samples", self.target_samples, optional=False)
+            if self.interval is not None:
+                raise ValueError("interval is only meaningful with trigger='time'")
+        else:
+            if isinstance(self.interval, bool) or not isinstance(self.interval, (int, float)) or not self.interval > 0:
+                raise ValueError(f"trigger='time' needs interval > 0 (seconds), got {self.interval!r}")
+            _positive_int("target_samples", self.target_samples)
+        _positive_int("epoch_samples", self.epoch_samples)
+        _positive_int("max_epochs", self.max_epochs)
+        _positive_int("max_rounds", self.max_rounds)
+        if self.max_epochs is not None and self.epoch_samples is None:
+            raise ValueError("max_epochs needs epoch_samples (the global samples of one epoch)")
+        # The engine's own checks (timeout, name).
+        self.partial_config()
+
+    def partial_config(self) -> PartialAllreduceConfig:
+        """The underlying rounds: solo activation, carried contributions, divided by the samples."""
+        return PartialAllreduceConfig(
+            mode="solo", late="carry", normalize="contributors", timeout=self.timeout, name=self.name
+        )
+
+
+class DelayedAllreduce(PartialAllreduce):
+    """Delayed sample-weighted allreduce (see the module docstring for the rules).
+
+    Example::
+
+        engine = DelayedAllreduce(DelayedConfig(target_samples=32), store=store, rank=rank,
+                                  world_size=P, like=[p.grad for p in params]).start()
+        for batch in loader:                      # however many this rank manages
+            loss(batch).backward()
+            for result in engine.deposit([p.grad for p in params], samples=len(batch)):
+                set_grads(result.tensors); optimizer.step()
+        engine.pause(); R = max over ranks of engine.known_round(); engine.drain(R)
+        for result in engine.finish(R):
+            set_grads(result.tensors); optimizer.step()
+        engine.close()
+    """
+
+    def __init__(
+        self,
+        config: DelayedConfig,
+        *,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        like: Tensors,
+        backend: Optional[str] = None,
+    ) -> None:
+        if not isinstance(config, DelayedConfig):
+            raise ValueError(f"config must be a DelayedConfig, got {type(config).__name__}")
+        super().__init__(config.partial_config(), store=store, rank=rank, world_size=world_size, like=like,
+                         backend=backend)
+        self.delayed = config
+        # Guarded by self._cond, like the base class's state.
+        self._requested = False  # this rank's caller wants the next round
+        self._paused = False
+        self._final_round: Optional[int] = None
+        self._completed = -1  # the last round whose result is published and whose follow-up is decided
+        self._handed = -1  # the last round handed to the caller
+        self.deposit_round = -1  # the round that takes the latest deposit (for tests and stats)
+        self._global_samples = 0
+        self._contributed_at = time.monotonic()
+        self._restored: list[RoundResult] = []  # unapplied results from a checkpoint, handed first
+        # Held while deciding to activate and activating: after pause() returns, this
+        # rank activates nothing.
+        self._activation_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ API
+    @property
+    def global_samples(self) -> int:
+        """Samples summed by the rounds completed on this rank (the same on every rank per round)."""
+        with self._cond:
+            return self._global_samples
+
+    @property
+    def epochs_completed(self) -> int:
+        """Epochs that the completed rounds' global samples make up (0 without ``epoch_samples``)."""
+        n = self.delayed.epoch_samples
+        with self._cond:
+            return self._global_samples // n if n else 0
+
+    @property
+    def final_round(self) -> Optional[int]:
+        """The final round, once it has completed on this rank."""
+        with self._cond:
+            return self._final_round
+
+    def deposit(self, tensors: Tensors, samples: int) -> list[RoundResult]:
+        """Adds a micro-batch (its *mean* gradient over ``samples`` samples); returns the results now due.
+
+        A result is due once the round after it has started on this rank; they
+        come in round order, and each exactly once. Never blocks on other ranks.
+        """
+        self._check_running("deposit")
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"rank {self.rank}: samples must be an integer >= 1, got {samples!r}")
+        grads = self._as_list(tensors)
+        with self._cond:
+            q = self._snapshotted + 1
+        self.layout.check(grads, rank=self.rank, round_index=q)
+        flats = self.layout.flatten(grads)
+        for f in flats:
+            f.mul_(samples)  # a sum over the micro-batch's samples
+        wake: Optional[int] = None
+        with self._cond:
+            self._raise_if_failed(q)
+            q = self._snapshotted + 1
+            if self._pending:
+                d = self._pending[0]
+                for acc, f in zip(d.flats, flats):
+                    acc.add_(f)
+                self.layout.recycle(flats)
+                d.samples += samples
+                d.step = q
+            else:
+                d = _Deposit(flats, q, samples=samples, first_step=q)
+                self._pending.append(d)
+            if self._cuda_device is not None:  # pragma: no cover - needs GPUs
+                d.ready = torch.cuda.Event()
+                d.ready.record(torch.cuda.current_stream(self._cuda_device))
+            self.deposit_round = q
+            pending = sum(p.samples for p in self._pending)
+            if not self._requested and self._trigger_met(pending):
+                self._requested = True
+                if not self._paused and self._waiting_round is not None:
+                    wake = self._waiting_round
+        if wake is not None:
+            assert self._control is not None
+            self._control.wake(wake)  # the communication thread activates the round for everybody
+        # Rounds up to q - 2: round q - 1 has started (it was taken before this micro-batch
+        # came), so its predecessors are due; a snapshot since then waits for the next micro-batch.
+        return self._take_due(limit=q - 2)
+
+    def pause(self) -> None:
+        """This rank activates no round until :meth:`resume` (caller's thread; returns once it holds)."""
+        with self._activation_lock:
+            with self._cond:
+                self._paused = True
+
+    def resume(self) -> None:
+        """Lifts :meth:`pause`; a request made meanwhile takes effect now."""
+        wake: Optional[int] = None
+        with self._activation_lock:
+            with self._cond:
+                self._paused = False
+                if self._requested and self._waiting_round is not None:
+                    wake = self._waiting_round
+        if wake is not None:
+            assert self._control is not None
+            self._control.wake(wake)
+
+    def known_round(self) -> int:
+        """The last round activated as far as this rank can tell (after every rank paused)."""
+        assert self._control is not None
+        with self._cond:
+            last = self._snapshotted
+        # Round last + 1 may be activated (its key set) without our thread having taken it yet;
+        # last + 2 cannot be: activating it needs last + 1 completed, with our thread in it.
+        return last + 1 if self._control.is_activated(last + 1) else last
+
+    def drain(self, round_index: int) -> None:
+        """Blocks until round ``round_index`` has completed on this rank (bounded by the timeout)."""
+        self._wait_on_cond(
+            lambda: self._raise_if_failed(round_index) or self._completed >= round_index,
+            round_index,
+            f"round {round_index} did not complete while draining (is a rank dead or stalled?)",
+        )
+
+    def finish(self, round_index: int) -> list[RoundResult]:
+        """The final synchronous round ``round_index + 1``; returns every result not yet handed, in order.
+
+        Every rank calls it with the same ``round_index``, after :meth:`pause` and
+        :meth:`drain` of that round. Afterwards nothing is pending anywhere.
+        """
+        with self._cond:
+            if self._snapshotted != round_index or self._completed != round_index:
+                raise RuntimeError(
+                    f"rank {self.rank}: finish({round_index}) after round {self._completed} completed and round "
+                    f"{self._snapshotted} was taken: pause() and drain({round_index}) first"
+                )
+            self._step = round_index + 1
+        last = super().flush()
+        with self._cond:
+            self._global_samples += int(last.stats.contributions)  # _after_round does not run for the flush
+        due = self._take_due(limit=round_index)
+        return due + [last]
+
+    def flush(self, tensors: Optional[Tensors] = None) -> RoundResult:
+        raise RuntimeError(f"rank {self.rank}: DelayedAllreduce ends with finish(), not flush()")
+
+    # ------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Round counter, pending samples and gradient sums, unapplied results, global samples.
+
+        Take it after :meth:`pause` and :meth:`drain` (nothing in flight).
+        """
+        state = super().state_dict()
+        with self._cond:
+            state["step"] = self._snapshotted + 1
+            state["pending_samples"] = [d.samples for d in self._pending]
+            state["pending_first"] = [d.first_step for d in self._pending]
+            unapplied = [r for r in sorted(self._results) if r > self._handed]
+            state["unapplied"] = [
+                {"round": r, "flats": [f.detach().clone().cpu() for f in self._results[r].buffers],  # type: ignore[union-attr]
+                 "counts": list(self._results[r].stats.counts)}  # type: ignore[union-attr]
+                for r in unapplied
+            ] + [{"round": x.round_index, "flats": [f.detach().clone().cpu() for f in x.buffers],
+                  "counts": list(x.stats.counts)} for x in self._restored]
+            state["global_samples"] = self._global_samples
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        for d, n, first in zip(self._pending, state.get("pending_samples", []), state.get("pending_first", [])):
+            d.samples, d.first_step = int(n), first
+        self._global_samples = int(state.get("global_samples", 0))
+        self._handed = self._completed = self._step - 1
+        restored = []
+        for item in sorted(state.get("unapplied", []), key=lambda u: u["round"]):
+            flats = [f.to(b.device, copy=True) for f, b in zip(item["flats"], self.layout.buckets)]
+            counts = tuple(int(c) for c in item["counts"])
+            stats = RoundStats(
+                round_index=int(item["round"]), activator=-1, initiator=None, synchronous=False, flush=False,
+                fresh=(), counts=counts, staleness=tuple(None for _ in counts),
+                oldest_staleness=tuple(None for _ in counts), progress=(), dropped=(),
+                contributions=sum(counts), divisor=float(max(sum(counts), 1)),
+            )
+            restored.append(RoundResult(round_index=int(item["round"]), tensors=self.layout.unflatten(flats),
+                                        stats=stats, buffers=flats, layout=self.layout))
+        self._restored = restored
+
+    # ------------------------------------------------------ caller's thread
+    def _trigger_met(self, pending: int) -> bool:
+        if self._final_round is not None or pending < 1:
+            return False
+        if self.delayed.trigger == "samples":
+            return pending >= int(self.delayed.target_samples)  # type: ignore[arg-type]
+        return time.monotonic() - self._contributed_at >= float(self.delayed.interval)  # type: ignore[arg-type]
+
+    def _take_due(self, *, limit: int) -> list[RoundResult]:
+        """Results not handed yet, up to round ``limit``, in order (restored ones first)."""
+        due, self._restored = self._restored, []
+        with self._cond:
+            rounds = list(range(self._handed + 1, limit + 1))
+            for r in rounds:
+                if r not in self._results:
+                    raise RuntimeError(f"rank {self.rank}: round {r} has no result to hand over")
+            taken = [self._results.pop(r) for r in rounds]
+            if rounds:
+                self._handed = rounds[-1]
+        for r, result in zip(rounds, taken):
+            if isinstance(result, BaseException):
+                raise result
+            if self._cuda_device is not None:  # pragma: no cover - needs GPUs
+                stream = torch.cuda.current_stream(self._cuda_device)
+                with self._cond:
+                    event = self._done_events.pop(r)
+                stream.wait_event(event)
+                for t in result.tensors:
+                    t.record_stream(stream)
+            due.append(result)
+        return due
+
+    # ---------------------------------------------------- communication thread
+    def _may_activate(self, r: int) -> bool:
+        return self._requested and not self._paused and self._final_round is None and not self._closing
+
+    def _await_activation(self, r: int) -> None:
+        assert self._control is not None
+        deadline = time.monotonic() + self.config.timeout.total_seconds()
+        while True:
+            with self._activation_lock:
+                with self._cond:
+                    if self._closing or self._flush_round == r or r in self._activated_here:
+                        return  # r in _activated_here: _after_round activated it already
+                    activate = self._may_activate(r)
+                    if activate:
+                        self._activated_here.add(r)
+                if activate:
+                    self._control.activate_from_comm(r)
+                    return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PartialCollectiveTimeout(
+                    f"round {r} was not activated within {self.config.timeout.total_seconds():g}s "
+                    "(no rank requested it: is a rank dead or stalled?)", rank=self.rank, round_index=r
+                )
+            self._control.wait_activated(r, timedelta(seconds=remaining))
+            with self._cond:
+                if self._closing or self._flush_round == r:
+                    return
+            if self._control.activation_value(r) != "woken":
+                return  # another rank activated it
+            with self._cond:
+                retry_now = self._may_activate(r)
+            if not retry_now:
+                # Woken by our caller but paused meanwhile: the key stays set, so poll gently
+                # until resume() or another rank's activation (rare: only around a checkpoint).
+                time.sleep(0.005)
+
+    def _describe_contribution(self, deposits: list[_Deposit]) -> tuple[int, int, int]:
+        # Under self._cond, at the snapshot: the request (if any) is served by this round.
+        self._requested = False
+        self._contributed_at = time.monotonic()
+        if not deposits:
+            return 0, -1, -1
+        first = [d.first_step if d.first_step is not None else d.step for d in deposits]
+        return sum(d.samples for d in deposits), max(d.step for d in deposits), min(first)
+
+    def _after_round(self, r: int, result: RoundResult) -> None:
+        with self._activation_lock:
+            with self._cond:
+                self._global_samples += int(result.stats.contributions)
+                d = self.delayed
+                if (d.max_rounds is not None and r + 1 >= d.max_rounds) or (
+                    d.max_epochs is not None
+                    and d.epoch_samples is not None
+                    and self._global_samples >= d.max_epochs * d.epoch_samples
+                ):
+                    self._final_round = r
+                activate = self._may_activate(r + 1)
+                if activate:
+                    self._activated_here.add(r + 1)
+                self._completed = r
+                self._cond.notify_all()
+            if activate:
+                assert self._control is not None
+                self._control.activate_from_comm(r + 1)
+

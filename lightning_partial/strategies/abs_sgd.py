@@ -1,0 +1,348 @@
+"""ABSSGDStrategy (``strategy="abs_sgd"``): delayed synchronous SGD with adaptive per-rank batches.
+
+The rules (what starts a round, the one-round delay, epochs by global samples)
+are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
+
+* **A Lightning step is a micro-batch.** Each batch a rank draws is one
+  micro-batch: forward and backward, then its gradient and sample count go to
+  the engine (``deposit``), which hands back the round results now due
+  (usually zero or one; a slow rank may get several). Each result becomes the
+  gradient of one ``optimizer.step()``, preceded by Lightning's
+  ``on_before_optimizer_step`` hooks and gradient clipping; ``trainer.global_step``
+  counts these steps (the applied rounds), not the micro-batches.
+* **Data.** The train loader's ``DistributedSampler`` (injected by Lightning,
+  ``use_distributed_sampler=True``) is replaced by an
+  :class:`~lightning_partial.data.ElasticBatchSampler` with the same per-rank
+  batch size: batches never run out, a fast rank simply draws more.
+* **Epochs and the end.** An epoch ends, on every rank, at the round whose
+  global samples complete ``len(dataset)`` samples: each rank marks its next
+  batch as the epoch's last, so validation and epoch-end hooks run as usual.
+  ``max_epochs`` and ``max_steps`` (= rounds) make a round final; every rank
+  then stops. At the end of fit, and before every checkpoint, the ranks agree
+  on the last round in flight (one barrier and one integer allreduce on the
+  default group: never per step) and wait for it; at the end of fit a final
+  synchronous round sums everything still pending, and every result not yet
+  applied is applied: the replicas end bit-identical.
+* **Checkpoints** hold the round counter, each rank's pending gradient sum and
+  samples, the results not yet applied, and the global samples. Save at epoch
+  ends or from a hook that every rank reaches (``ModelCheckpoint`` with
+  ``every_n_train_steps`` or ``train_time_interval`` is refused: the ranks reach
+  a given step at different times).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.data import extract_batch_size
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, DistributedSampler
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_partial import _compat
+from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundStats
+from lightning_partial.collectives.delayed import TRIGGERS, DelayedAllreduce, DelayedConfig
+from lightning_partial.data import ElasticBatchSampler
+from lightning_partial.strategies.checkpoint import state_for_rank
+from lightning_partial.strategies.partial import PartialStrategy
+
+log = logging.getLogger(__name__)
+
+
+class ABSSGDStrategy(PartialStrategy):
+    """ABS-SGD over :class:`~lightning_partial.collectives.delayed.DelayedAllreduce` (see the module docstring).
+
+    Args:
+        trigger: what starts a round: ``"samples"`` (default) or ``"time"``.
+        target_samples: ``"samples"``: the samples a rank accumulates before it
+            requests a round; default: its micro-batch size (the fastest rank's
+            every micro-batch starts a round).
+        interval: ``"time"``: seconds between a rank's contributions.
+        shuffle, seed: the elastic sampler's shuffling (as ``DistributedSampler``'s).
+        timeout, process_group_backend, start_method: as for every strategy here.
+    """
+
+    strategy_name = "abs_sgd"
+    engine_family = "abs_sgd"  # pending gradient sums with sample counts, unapplied results
+
+    def __init__(
+        self,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        *,
+        trigger: str = "samples",
+        target_samples: Optional[int] = None,
+        interval: Optional[float] = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        timeout: timedelta = timedelta(minutes=30),
+        process_group_backend: Optional[str] = None,
+        start_method: Literal["popen", "spawn"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            timeout=timeout,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
+        )
+        if trigger not in TRIGGERS:
+            raise ValueError(f"abs_sgd: unknown trigger {trigger!r}: expected one of {', '.join(TRIGGERS)}")
+        # Validated now (a placeholder target when it defaults to the micro-batch size).
+        DelayedConfig(trigger=trigger, target_samples=target_samples if target_samples is not None or trigger != "samples"
+                      else 1, interval=interval, timeout=timeout)  # type: ignore[arg-type]
+        self.trigger = trigger
+        self.target_samples = target_samples
+        self.interval = interval
+        self.shuffle = shuffle
+        self.seed = seed
+        self.partial_config = PartialAllreduceConfig(mode="solo", normalize="contributors", timeout=timeout,
+                                                     name="abs_sgd")
+        self.sampler: Optional[ElasticBatchSampler] = None
+        self._epoch_samples: Optional[int] = None
+        self._batch_samples = 0
+        self._last_rounds: dict[int, int] = {}  # agreed at the end of fit
+
+    # ---------------------------------------------------------------- set-up
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        super().setup(trainer)
+        if trainer.state.fn != pl.trainer.states.TrainerFn.FITTING:
+            return
+        assert self.lightning_module is not None
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError("abs_sgd needs automatic optimization: it decides when the optimizer steps")
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"abs_sgd accumulates micro-batches itself: Trainer(accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches}) must be 1"
+            )
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(cb, ModelCheckpoint) and (cb._every_n_train_steps or cb._train_time_interval):
+                raise ValueError(
+                    "abs_sgd: ModelCheckpoint(every_n_train_steps=..., train_time_interval=...) saves when each rank "
+                    "reaches a step, at different times on different ranks; save at epoch ends (every_n_epochs) "
+                    "or at the end of fit"
+                )
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Replaces the train loader's ``DistributedSampler`` by an :class:`ElasticBatchSampler`."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training or not isinstance(dataloader, DataLoader):
+            return dataloader
+        batch_sampler = dataloader.batch_sampler
+        if isinstance(batch_sampler, ElasticBatchSampler):
+            self.sampler = batch_sampler
+        else:
+            sampler = getattr(batch_sampler, "sampler", None)
+            if not isinstance(sampler, DistributedSampler) or dataloader.batch_size is None:
+                raise ValueError(
+                    "abs_sgd gives fast ranks more samples than slow ones, so it replaces the train loader's "
+                    "DistributedSampler: use a map-style dataset with a batch_size and "
+                    "Trainer(use_distributed_sampler=True) (the default), or pass "
+                    "DataLoader(batch_sampler=lightning_partial.data.ElasticBatchSampler(...))"
+                )
+            self.sampler = ElasticBatchSampler(
+                len(dataloader.dataset),  # type: ignore[arg-type]
+                batch_size=dataloader.batch_size,
+                num_replicas=self.world_size,
+                rank=self.global_rank,
+                shuffle=self.shuffle,
+                seed=self.seed,
+            )
+            extra: dict[str, Any] = {}
+            if dataloader.num_workers > 0:
+                extra = {"prefetch_factor": dataloader.prefetch_factor, "persistent_workers": dataloader.persistent_workers}
+            dataloader = DataLoader(
+                dataloader.dataset,
+                batch_sampler=self.sampler,
+                num_workers=dataloader.num_workers,
+                collate_fn=dataloader.collate_fn,
+                pin_memory=dataloader.pin_memory,
+                timeout=dataloader.timeout,
+                worker_init_fn=dataloader.worker_init_fn,
+                multiprocessing_context=dataloader.multiprocessing_context,
+                generator=dataloader.generator,
+                **extra,
+            )
+        self._epoch_samples = self.sampler.num_samples
+        return dataloader
+
+    @override
+    def _build_engine(self, index: int, params: list[torch.nn.Parameter], store: dist.Store) -> PartialAllreduce:
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        if self.sampler is None:
+            raise RuntimeError("abs_sgd: the train dataloader was not prepared (process_dataloader)")
+        target = self.target_samples
+        if self.trigger == "samples" and target is None:
+            target = self.sampler.batch_size
+        max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
+        config = DelayedConfig(
+            trigger=self.trigger,  # type: ignore[arg-type]
+            target_samples=target,
+            interval=self.interval,
+            epoch_samples=self._epoch_samples,
+            max_epochs=max_epochs,
+            max_rounds=trainer.max_steps if trainer.max_steps > 0 else None,
+            timeout=self._timeout,
+            name=f"abs_sgd-{index}",
+        )
+        return DelayedAllreduce(config, store=store, rank=self.global_rank, world_size=self.world_size,
+                                like=[p.detach() for p in params])
+
+    @override
+    def _engine_state(self, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+        """Own pending sums (old rank ``j``'s go to ``j % P``); rank 0's unapplied results and samples.
+
+        The restored weights are rank 0's, so the results rank 0 had not applied
+        are those every rank must apply.
+        """
+        if len(per_rank) == self.world_size:
+            own = per_rank[self.global_rank]
+            base = dict(own)
+        else:
+            base = state_for_rank(per_rank, rank=self.global_rank, world_size=self.world_size)
+            mine = [s for j, s in enumerate(per_rank) if j % self.world_size == self.global_rank]
+            base["pending_samples"] = [n for s in mine for n in s.get("pending_samples", [])]
+            base["pending_first"] = [n for s in mine for n in s.get("pending_first", [])]
+        base["unapplied"] = per_rank[0].get("unapplied", [])
+        base["global_samples"] = per_rank[0].get("global_samples", 0)
+        return base
+
+    # ------------------------------------------------------------- training
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Records the micro-batch's samples; ends the epoch (or the fit) where the rounds say so."""
+        self._batch_samples = int(extract_batch_size(batch))
+        engine = self._engines.get(0)
+        if engine is None:
+            return
+        assert isinstance(engine, DelayedAllreduce)
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        if engine.final_round is not None:
+            trainer.should_stop = True
+            _compat.mark_last_batch(trainer)
+        elif engine.epochs_completed > trainer.current_epoch:
+            _compat.mark_last_batch(trainer)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """The micro-batch (closure), its deposit, then one optimizer step per round result now due."""
+        index = self._optimizer_index(optimizer)
+        engine = self._engines.get(index)
+        if engine is None:  # not fitting, or no trainable parameter
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert isinstance(engine, DelayedAllreduce)
+        output = closure()
+        params = self._params[index]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        results = engine.deposit(grads, samples=max(self._batch_samples, 1))
+        self._apply(index, optimizer, results, model)
+        _compat.add_optimizer_steps(self.lightning_module.trainer, len(results) - 1)  # type: ignore[union-attr]
+        if not results:
+            for p in params:
+                p.grad = None  # nothing was applied: leave no gradient behind
+        return output
+
+    def _apply(self, index: int, optimizer: Optimizer, results: list[Any], model: Any = None) -> None:
+        module = model if isinstance(model, pl.LightningModule) else self.lightning_module
+        for result in results:
+            for p, g in zip(self._params[index], result.tensors):
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+            _compat.before_optimizer_step(self.precision_plugin, module, optimizer)
+            optimizer.step()
+            result.release()
+            self._record(index, result.stats)
+
+    # ------------------------------------------------------------- agreement
+    def _quiesce(self) -> dict[int, int]:
+        """Every rank, main thread, default group: no round in flight afterwards; returns the last round per engine.
+
+        Each engine stops activating rounds; a barrier makes that hold on every
+        rank; the last activated round is agreed (one MAX allreduce) and waited for.
+        """
+        for engine in self._engines.values():
+            engine.pause()  # type: ignore[attr-defined]
+        self.barrier("abs_sgd quiesce")
+        indices = sorted(self._engines)
+        known = torch.tensor([self._engines[i].known_round() for i in indices], dtype=torch.int64)  # type: ignore[attr-defined]
+        if self.world_size > 1:
+            device = self.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
+            known = known.to(device)
+            dist.all_reduce(known, op=dist.ReduceOp.MAX)
+        last = {i: int(r) for i, r in zip(indices, known.cpu().tolist())}
+        for i in indices:
+            self._engines[i].drain(last[i])  # type: ignore[attr-defined]
+        return last
+
+    @override
+    def _final_round(self, index: int, engine: PartialAllreduce) -> RoundStats:
+        """Agreed last round, the final synchronous round, and every result not yet applied."""
+        assert isinstance(engine, DelayedAllreduce)
+        last = self._last_rounds[index]
+        results = engine.finish(last)
+        optimizer = self.optimizers[index]
+        self._apply(index, optimizer, results)
+        optimizer.zero_grad()
+        return results[-1].stats
+
+    @override
+    def on_train_end(self) -> None:
+        if not self._stopped and self._engines:
+            self._last_rounds = self._quiesce()
+        super().on_train_end()
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """Quiesces the engines (nothing in flight), gathers their state, then lets them go on."""
+        if self._engines and not self._stopped:
+            self._quiesce()
+            try:
+                super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            finally:
+                for engine in self._engines.values():
+                    engine.resume()  # type: ignore[attr-defined]
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    # -------------------------------------------------------------- registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        entries = (("abs_sgd", "popen"), ("abs_sgd_spawn", "spawn"))
+        for name, start_method in entries:
+            if name in strategy_registry:  # idempotent: importing twice is fine
+                continue
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"ABS-SGD: delayed synchronous SGD with adaptive batch sizes, start_method '{start_method}'",
+                start_method=start_method,
+            )

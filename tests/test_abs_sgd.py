@@ -1,0 +1,124 @@
+"""ABSSGDStrategy inside Lightning: registry, bad input, 4-process fits under persistent heterogeneity."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_partial
+from lightning_partial import ABSSGDStrategy
+from lightning_partial.callbacks import AdaptiveBatchSize
+from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY
+from tests.test_eager_sgd import FIT_ENV, fit_command
+
+
+def test_registry_names():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    lightning_partial.strategies.register_strategies()  # idempotent
+    for name, method in (("abs_sgd", "popen"), ("abs_sgd_spawn", "spawn")):
+        strategy = StrategyRegistry.get(name)
+        assert isinstance(strategy, ABSSGDStrategy) and strategy._start_method == method
+    pickle.loads(pickle.dumps(ABSSGDStrategy(target_samples=8)))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"trigger": "tide"}, "unknown trigger 'tide'"),
+        ({"target_samples": 0}, "target_samples must be an integer >= 1"),
+        ({"trigger": "time"}, "needs interval > 0"),
+        ({"interval": 2.0}, "only meaningful with trigger='time'"),
+    ],
+)
+def test_bad_configuration_fails_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ABSSGDStrategy(**kwargs)
+
+
+def test_adaptive_batch_size_bad_input():
+    with pytest.raises(ValueError, match="window must be an integer >= 1"):
+        AdaptiveBatchSize(window=0)
+
+
+def run_fit(out: Path, *extra: str) -> list[dict]:
+    proc = subprocess.run(
+        fit_command(out, "--strategy", "abs_sgd", *extra), env=FIT_ENV, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
+
+
+def assert_identical(out: Path) -> None:
+    states = [torch.load(out / f"rank{r}.pt") for r in range(4)]
+    for other in states[1:]:
+        for key, value in states[0].items():
+            assert torch.equal(value, other[key]), key
+
+
+@pytest.mark.timeout(300)
+def test_fit_two_epochs_under_persistent_heterogeneity(tmp_path):
+    """Speeds 1, 1, 0.5, 0.25: every rank ends each epoch at the same round, the fast ranks drew more
+    batches, the adaptive sizes follow the speeds, and the replicas end bit-identical."""
+    out = tmp_path / "run"
+    records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--adaptive", "--batchnorm")
+    assert_identical(out)
+    for record in records:
+        assert len(record["epoch_batches"]) == 2  # no rank ran out of data or waited at an epoch end
+    steps = {r["global_step"] for r in records}
+    assert len(steps) == 1 and steps.pop() > 0  # global_step counts the applied rounds: the same everywhere
+    first = [r["epoch_batches"][0] for r in records]
+    assert first[0] > first[3] and first[1] > first[3], first
+    sizes = records[0]["adaptive"]
+    assert sizes and all(s == records[1]["adaptive"][i] for i, s in enumerate(sizes))  # the same on every rank
+    last = sizes[-1][1]
+    assert max(last) == 16 and last[3] < min(last[0], last[1]), sizes  # the fastest keeps the loader's 16
+
+
+@pytest.mark.timeout(300)
+def test_resume_from_an_epoch_end_checkpoint(tmp_path):
+    """The checkpoint (taken with nothing in flight) carries the rounds, the global samples, the pending
+    gradient sums and the unapplied result; the resumed fit ends its epochs and its replicas like the first."""
+    first = tmp_path / "first"
+    run_fit(first, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--save-epoch", "0")
+    entry = torch.load(first / "mid.ckpt", weights_only=False)[CHECKPOINT_KEY]
+    assert entry["strategy"] == "abs_sgd" and entry["family"] == "abs_sgd"
+    states = entry["engines"][0]
+    assert len({s["step"] for s in states}) == 1
+    assert len({s["global_samples"] for s in states}) == 1 and states[0]["global_samples"] >= 2048
+    assert all(len(s["unapplied"]) >= 1 for s in states)  # applied one round late: there is one to carry
+    second = tmp_path / "second"
+    records = run_fit(second, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--resume", str(first / "mid.ckpt"))
+    assert_identical(second)
+    assert all(len(r["epoch_batches"]) == 1 for r in records)  # the second epoch only
+    assert len({r["global_step"] for r in records}) == 1
+
+
+def test_step_checkpoints_are_refused(tmp_path):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    trainer = L.Trainer(strategy=ABSSGDStrategy(), accelerator="cpu", devices=1, max_steps=2, logger=False,
+                        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)],
+                        enable_progress_bar=False, enable_model_summary=False)
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    with pytest.raises(ValueError, match="every_n_train_steps"):
+        trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=8))

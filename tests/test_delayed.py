@@ -1,0 +1,181 @@
+"""DelayedAllreduce (ABS-SGD's engine) across real gloo ranks (threads, TCPStore port=0), on exact arithmetic."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_partial.collectives import DelayedAllreduce, DelayedConfig
+from lightning_partial.data import ElasticBatchSampler
+from tests.distributed import run_threads
+
+pytestmark = pytest.mark.timeout(120)
+
+P = 4
+
+
+def grad_of(rank: int, k: int) -> torch.Tensor:
+    """Micro-batch ``k`` of ``rank``: small integers, so every sum below is exact in float64."""
+    return torch.tensor([float(rank + 1), float(k % 7), float((rank * 3 + k) % 5)], dtype=torch.float64)
+
+
+def samples_of(rank: int, k: int) -> int:
+    return 1 + (rank + k) % 3
+
+
+def train(config: DelayedConfig, *, delays_ms: tuple[float, ...], agree: dict) -> callable:
+    barrier = threading.Barrier(P)
+
+    def fn(rank: int, store: dist.Store) -> dict:
+        engine = DelayedAllreduce(config, store=store, rank=rank, world_size=P,
+                                  like=[torch.zeros(3, dtype=torch.float64)]).start()
+        deposits, handed_at = [], []
+        try:
+            k = 0
+            while engine.final_round is None:
+                time.sleep(delays_ms[rank] / 1000)
+                g, b = grad_of(rank, k), samples_of(rank, k)
+                results = engine.deposit([g], samples=b)
+                into = engine.deposit_round  # the round that takes this micro-batch
+                deposits.append((g, b, into))
+                handed_at.append([(r.round_index, r.tensors[0].clone(), r.stats.counts) for r in results])
+                k += 1
+                if k > 2000:
+                    raise AssertionError("the final round never came")
+            engine.pause()
+            barrier.wait(timeout=30)  # the strategy uses dist.barrier on the default group
+            agree[rank] = engine.known_round()
+            barrier.wait(timeout=30)
+            last = max(agree.values())  # the strategy's MAX allreduce
+            engine.drain(last)
+            final = [(r.round_index, r.tensors[0].clone(), r.stats.counts) for r in engine.finish(last)]
+            return {"deposits": deposits, "handed_at": handed_at, "final": final, "last": last,
+                    "final_round": engine.final_round, "state": engine.state_dict()}
+        finally:
+            engine.close()
+
+    return fn
+
+
+@pytest.fixture(scope="module")
+def skewed() -> list[dict]:
+    """Rank 0 fast, rank 3 eight times slower; a round per 4 samples of the fastest rank; 30 rounds."""
+    config = DelayedConfig(target_samples=4, max_rounds=30, timeout=timedelta(seconds=30), name="t")
+    return run_threads(P, train(config, delays_ms=(2.0, 4.0, 8.0, 16.0), agree={}))
+
+
+def rounds_of(record: dict) -> list[tuple[int, torch.Tensor, tuple[int, ...]]]:
+    return [item for batch in record["handed_at"] for item in batch] + record["final"]
+
+
+def test_every_rank_applies_the_same_results_in_order(skewed):
+    reference = rounds_of(skewed[0])
+    assert [r for r, _, _ in reference] == list(range(len(reference)))
+    assert skewed[0]["final_round"] == 29 and skewed[0]["last"] == 29 and len(reference) == 31  # + the final round
+    for record in skewed[1:]:
+        mine = rounds_of(record)
+        assert [r for r, _, _ in mine] == [r for r, _, _ in reference]
+        for (_, a, ca), (_, b, cb) in zip(mine, reference):
+            assert torch.equal(a, b) and ca == cb  # bit-identical
+
+
+def test_update_is_the_sample_weighted_mean_and_nothing_is_lost(skewed):
+    results = {r: (t, counts) for r, t, counts in rounds_of(skewed[0])}
+    expected_sum = {r: torch.zeros(3, dtype=torch.float64) for r in results}
+    for rank, record in enumerate(skewed):
+        per_round = {}
+        for g, b, into in record["deposits"]:
+            expected_sum[into] += g * b
+            per_round[into] = per_round.get(into, 0) + b
+        for r, (_, counts) in results.items():  # each round carried exactly the samples deposited for it
+            assert counts[rank] == per_round.get(r, 0), (rank, r)
+    for r, (tensor, counts) in results.items():
+        total = sum(counts)
+        assert total > 0
+        assert torch.equal(tensor, expected_sum[r] / total), r  # sum of gradients / sum of samples
+    deposited = sum(g * b for record in skewed for g, b, _ in record["deposits"])
+    applied = sum(t * sum(c) for t, c in results.values())
+    assert torch.allclose(applied, deposited, rtol=0, atol=1e-9)  # conservation: nothing pending is lost
+
+
+def test_delay_is_exactly_one_round(skewed):
+    for record in skewed:
+        handed = -1
+        for (_, _, into), batch in zip(record["deposits"], record["handed_at"]):
+            if batch:
+                handed = batch[-1][0]
+            # A micro-batch going into round q hands every result up to q - 2: round r
+            # is applied once round r + 1 has started, not before and not later.
+            assert handed == into - 2 or (handed == -1 and into <= 1), (into, handed)
+
+
+def test_fast_ranks_contribute_more_samples(skewed):
+    totals = [sum(sum(c[rank] for _, _, c in [x]) for x in rounds_of(skewed[0])) for rank in range(P)]
+    assert totals[0] > totals[1] > totals[3], totals
+    assert all(t > 0 for t in totals)
+
+
+def test_state_after_finish_holds_nothing(skewed):
+    for record in skewed:
+        state = record["state"]
+        assert state["pending"] == [] and state["unapplied"] == []
+        assert state["global_samples"] == sum(sum(c) for _, _, c in rounds_of(skewed[0]))
+
+
+def test_epochs_end_at_the_same_round_and_time_trigger():
+    config = DelayedConfig(trigger="time", interval=0.01, epoch_samples=60, max_epochs=2,
+                           timeout=timedelta(seconds=30), name="e")
+    records = run_threads(P, train(config, delays_ms=(1.0, 2.0, 3.0, 4.0), agree={}))
+    finals = {rec["final_round"] for rec in records}
+    assert len(finals) == 1
+    rounds = rounds_of(records[0])
+    cumulative = 0
+    for r, _, counts in rounds[:-1]:
+        cumulative += sum(counts)
+        assert (cumulative >= 120) == (r >= records[0]["final_round"]), (r, cumulative)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"trigger": "tide", "target_samples": 4}, "unknown trigger 'tide'"),
+        ({"target_samples": 0}, "target_samples must be an integer >= 1"),
+        ({"target_samples": None}, "target_samples must be an integer >= 1"),
+        ({"trigger": "time", "interval": 0}, "needs interval > 0"),
+        ({"target_samples": 4, "interval": 1.0}, "only meaningful with trigger='time'"),
+        ({"target_samples": 4, "max_epochs": 2}, "max_epochs needs epoch_samples"),
+        ({"target_samples": 4, "max_rounds": -1}, "max_rounds must be"),
+    ],
+)
+def test_bad_configuration_fails_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DelayedConfig(**kwargs)
+
+
+def test_deposit_checks_the_samples():
+    engine = DelayedAllreduce(DelayedConfig(target_samples=1), store=dist.HashStore(), rank=0, world_size=1,
+                              like=[torch.zeros(2)])
+    with pytest.raises(RuntimeError, match="deposit"):
+        engine.deposit([torch.zeros(2)], samples=1)  # not started
+    with pytest.raises(RuntimeError, match="finish"):
+        engine.flush()
+
+
+def test_elastic_sampler_never_ends_and_follows_the_batch_size():
+    sampler = ElasticBatchSampler(10, batch_size=3, num_replicas=2, rank=1, seed=4)
+    it = iter(sampler)
+    first = [next(it) for _ in range(4)]  # 12 indices from a 5-sample shard: a second pass
+    assert all(len(b) == 3 for b in first)
+    flat = [i for b in first for i in b]
+    assert set(flat[:5]) == set(flat[5:10]) and len(set(flat[:5])) == 5
+    other = ElasticBatchSampler(10, batch_size=3, num_replicas=2, rank=0, seed=4)
+    assert not set(flat[:5]) & set(i for b in [next(iter(other)), next(iter(other))] for i in b[:2])
+    sampler.batch_size = 1
+    assert len(next(it)) == 1
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        ElasticBatchSampler(10, batch_size=0, num_replicas=2, rank=0)
