@@ -76,7 +76,7 @@ def run_worker(args: argparse.Namespace) -> int:
             return loss
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+            return torch.optim.SGD(self.parameters(), lr=args.lr, momentum=args.momentum)
 
     class Clock(L.Callback):
         t_start = t_end = None
@@ -89,10 +89,11 @@ def run_worker(args: argparse.Namespace) -> int:
             pass
 
     clock = Clock()
-    callbacks: list[Any] = [clock, LoadImbalance(speed=SPEED, log=False)]
+    callbacks: list[Any] = [clock, LoadImbalance(speed=args.speed, log=False)]
     if args.run == "abs_sgd":
-        strategy: Any = "abs_sgd"
-        callbacks.append(AdaptiveBatchSize(window=8, log=False))
+        strategy: Any = lightning_partial.ABSSGDStrategy(target_samples=args.target_samples)
+        if args.adaptive:
+            callbacks.append(AdaptiveBatchSize(window=8, log=False))
     elif args.run == "no_comm":
         from baselines import NoCommStrategy
 
@@ -118,7 +119,9 @@ def run_worker(args: argparse.Namespace) -> int:
         "test_loss": test_loss,
         "test_acc": test_acc,
     }
-    (args.workdir / f"{args.run}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
+    path = args.workdir / f"{args.run}.rank{trainer.global_rank}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(record))
+    path.with_suffix(".tmp").rename(path)  # atomic: the parent reads only complete files
     return 0
 
 
@@ -134,10 +137,20 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name in CONFIGS:
         began = time.monotonic()
+        for stale in args.workdir.glob(f"{name}.rank*.json"):
+            stale.unlink()
         subprocess.run([sys.executable, __file__, "--run", name, "--workdir", str(args.workdir), "--steps",
-                        str(args.steps), "--batch-size", str(args.batch_size)], check=True, timeout=900,
+                        str(args.steps), "--batch-size", str(args.batch_size), "--speed", ",".join(map(str, args.speed)),
+                        *([] if args.target_samples is None else ["--target-samples", str(args.target_samples)]),
+                        "--adaptive" if args.adaptive else "--no-adaptive", "--lr", str(args.lr),
+                        "--momentum", str(args.momentum)], check=True, timeout=900,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
-        ranks = [json.loads((args.workdir / f"{name}.rank{r}.json").read_text()) for r in range(4)]
+        files = [args.workdir / f"{name}.rank{r}.json" for r in range(4)]
+        # The launcher (rank 0) may exit before the other ranks wrote (no_comm ends without a barrier).
+        deadline = time.monotonic() + 60
+        while not all(f.exists() for f in files) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = [json.loads(f.read_text()) for f in files]
         wall = max(r["t_end"] for r in ranks) - min(r["t_start"] for r in ranks)
         if name == "no_comm":  # each rank alone: the sum of the ranks' own speeds
             samples_per_s = sum(r["samples"] / (r["t_end"] - r["t_start"]) for r in ranks)
@@ -166,7 +179,8 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
         "abs_time_to_ddp_final_loss_s": reach,
         "abs_time_to_ddp_final_loss_ratio": reach / ddp["wall_s"] if reach is not None else None,
     }
-    return {"speed": SPEED, "steps": args.steps, "batch_size": args.batch_size, "results": results,
+    return {"lr": args.lr, "momentum": args.momentum, "speed": args.speed, "target_samples": args.target_samples, "adaptive": args.adaptive,
+            "steps": args.steps, "batch_size": args.batch_size, "results": results,
             "summary": summary}
 
 
@@ -180,7 +194,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     names = list(CONFIGS)
     a.bar(names, [report["results"][n]["samples_per_s"] for n in names], color=["#888", "#2a7", "#ccc"])
     a.set_ylabel("samples/s (all ranks)")
-    a.set_title(f"speeds {SPEED}")
+    a.set_title(f"speeds {tuple(report['speed'])}")
     for n in ("ddp", "abs_sgd"):
         curve = report["results"][n]["curve"]
         b.plot([t for t, _ in curve], [x for _, x in curve], label=n)
@@ -199,6 +213,14 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "heterogeneity.json")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/lightning_partial_heterogeneity"))
+    parser.add_argument("--speed", type=lambda v: tuple(float(x) for x in v.split(",")), default=SPEED,
+                        help="per-rank speed factors (default 1,1,0.5,0.25)")
+    parser.add_argument("--target-samples", type=int, default=None,
+                        help="abs_sgd's target_samples (default: the strategy's, one micro-batch)")
+    parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                        help="abs_sgd with AdaptiveBatchSize (default: yes)")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--run", choices=CONFIGS, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run is not None:

@@ -100,6 +100,59 @@ def add_optimizer_steps(trainer: Any, delta: int) -> None:
         tracker.completed += delta
 
 
+def step_schedulers_by_rounds(trainer: Any) -> bool:
+    """Stops Lightning's per-batch stepping of ``interval="step"`` LR schedulers (see :func:`step_round_schedulers`).
+
+    Lightning steps them after every training batch (``_update_learning_rates``,
+    ``frequency`` counted in batches). Under ABS-SGD a rank's batches are its
+    own micro-batches, as many as its speed allows, while the optimizer steps
+    once per *round*, the same rounds on every rank but within different
+    batches: stepping per batch would give the ranks different learning rates
+    and the replicas would drift apart. The strategy steps them per round
+    instead, right after each round's ``optimizer.step()``. Plateau schedulers
+    and ``interval="epoch"`` keep Lightning's handling (epochs end at the same
+    round on every rank). Returns whether this Lightning had the method.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    original = getattr(loop, "_update_learning_rates", None)
+    if original is None:
+        log.debug("no _update_learning_rates on this Lightning: schedulers step per batch")
+        return False
+
+    def _update_learning_rates(interval: str, update_plateau_schedulers: bool) -> None:
+        if interval != "step" or update_plateau_schedulers:
+            original(interval=interval, update_plateau_schedulers=update_plateau_schedulers)
+
+    loop._update_learning_rates = _update_learning_rates
+    return True
+
+
+def step_round_schedulers(trainer: Any, optimizer: Any, round_index: int) -> None:
+    """After round ``round_index``'s ``optimizer.step()``: steps that optimizer's ``interval="step"`` schedulers.
+
+    ``frequency`` counts rounds. What Lightning's loop would do per batch
+    (progress counters, the ``lr_scheduler_step`` hook), per round.
+    """
+    from lightning.pytorch.trainer import call
+
+    loop = trainer.fit_loop.epoch_loop
+    for config in trainer.lr_scheduler_configs:
+        if config.interval != "step" or config.reduce_on_plateau:
+            continue
+        if getattr(config.scheduler, "optimizer", optimizer) is not optimizer:
+            continue
+        if (round_index + 1) % config.frequency == 0:
+            loop.scheduler_progress.increment_ready()
+            call._call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, None)
+            loop.scheduler_progress.increment_completed()
+
+
+def restore_scheduler_stepping(trainer: Any) -> None:
+    """Undoes :func:`step_schedulers_by_rounds` (the instance attribute shadowed the method)."""
+    loop = trainer.fit_loop.epoch_loop
+    loop.__dict__.pop("_update_learning_rates", None)
+
+
 def before_optimizer_step(precision_plugin: Any, model: Any, optimizer: Any) -> None:
     """What Lightning runs between the closure and ``optimizer.step()``: the hooks, then gradient clipping."""
     precision_plugin._after_closure(model, optimizer)

@@ -64,10 +64,15 @@ def assert_identical(out: Path) -> None:
 @pytest.mark.timeout(300)
 def test_fit_two_epochs_under_persistent_heterogeneity(tmp_path):
     """Speeds 1, 1, 0.5, 0.25: every rank ends each epoch at the same round, the fast ranks drew more
-    batches, the adaptive sizes follow the speeds, and the replicas end bit-identical."""
+    batches, the adaptive sizes follow the speeds, a per-step LR scheduler steps per round, and the
+    replicas end bit-identical."""
     out = tmp_path / "run"
-    records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--adaptive", "--batchnorm")
+    records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--adaptive", "--batchnorm",
+                      "--step-scheduler")
     assert_identical(out)
+    # An interval="step" scheduler steps per round, not per batch: the same learning rate on every rank.
+    lrs = {r["lr"] for r in records}
+    assert len(lrs) == 1 and lrs.pop() < 0.05, [r["lr"] for r in records]
     for record in records:
         assert len(record["epoch_batches"]) == 2  # no rank ran out of data or waited at an epoch end
     steps = {r["global_step"] for r in records}

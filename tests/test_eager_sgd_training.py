@@ -168,11 +168,9 @@ def test_processes_created_by_torchrun(tmp_path):
 
 def test_processes_created_by_slurm(tmp_path):
     """Four processes started as srun would (SLURM_* variables); Lightning's SLURMEnvironment finds them."""
-    import socket
+    from tests.scripts.ports import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     procs = []
     for rank in range(4):
         env = {

@@ -13,7 +13,17 @@ Contract:
 * **Persistent slowdown** (``speed``, one factor per rank): a rank with factor
   ``f`` sleeps ``(1/f - 1)`` times the compute it measured since the batch
   started (after any straggler sleep) or since its previous backward, in
-  ``on_after_backward``. That hook runs inside the optimizer closure, before
+  ``on_after_backward``. On CPU the compute is the training thread's CPU
+  time (``time.thread_time``), not the wall time: a backward that waits for a
+  collective (DDP's gradient allreduce ends inside backward) would otherwise
+  count the wait for the slower ranks as compute, the next sleep would be
+  longer, the others would wait longer still, and the sleeps would grow
+  without bound (seen: a 4-rank DDP fit at speeds 1, 1, 0.5, 0.25 stalled
+  after about 20 steps). Not the process's CPU time either: that counts a
+  communication thread's work (our engines'), which is not the rank's compute.
+  With ``torch.get_num_threads() > 1`` the intra-op threads' share is not
+  counted (a warning says so): run one thread per process, as usual for
+  several ranks per host. That hook runs inside the optimizer closure, before
   the strategy synchronises gradients, and after every backward (each
   accumulated micro-batch, each ``manual_backward``), so the rank arrives at
   the synchronisation as late as a device ``1/f`` times slower would.
@@ -100,6 +110,9 @@ class LoadImbalance(Callback):
     On CUDA, a slowed rank (factor < 1) synchronises its device before each
     measurement, so that the measured time is the device's compute rather than
     the host's kernel launches: a host sync on that rank only, never a collective.
+    That measurement is wall time: under a strategy whose backward waits for a
+    collective on the compute stream (DDP), it includes the wait; use
+    ``delay_ms`` or the CPU for persistent heterogeneity with such strategies.
     """
 
     def __init__(
@@ -180,6 +193,13 @@ class LoadImbalance(Callback):
             )
         self._factor = self.speed[trainer.global_rank] if self.speed is not None else 1.0
         self._sync_cuda = self._factor < 1.0 and pl_module.device.type == "cuda"
+        if self._factor < 1.0 and not self._sync_cuda and torch.get_num_threads() > 1:
+            log.warning(
+                "LoadImbalance: rank %d measures its compute as this thread's CPU time, but torch runs %d "
+                "intra-op threads whose share is not counted: the slowdown is smaller than speed=%g asks "
+                "(set OMP_NUM_THREADS=1 or torch.set_num_threads(1))",
+                trainer.global_rank, torch.get_num_threads(), self._factor,
+            )
 
     @override
     def on_train_batch_start(
@@ -231,7 +251,10 @@ class LoadImbalance(Callback):
     def _now(self, pl_module: "pl.LightningModule") -> float:
         if self._sync_cuda:
             torch.cuda.synchronize(pl_module.device)  # measure the device's compute, not the launches
-        return time.perf_counter()
+            return time.perf_counter()
+        # CPU time of this (the training) thread: blocked waits for communication
+        # do not count, nor do the sleeps, nor a communication thread's work.
+        return time.thread_time()
 
     @staticmethod
     def _sleep_ms(ms: float) -> float:

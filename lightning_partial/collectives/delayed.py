@@ -21,8 +21,14 @@ the rules fixed here (**Decisions**):
   round ``r`` overlaps the micro-batches that will go into round ``r + 1``.
 * **Delay.** The result of round ``r`` is handed to the caller at its first
   micro-batch boundary after round ``r + 1`` started on this rank: exactly one
-  round late. Every rank applies every result once, in round order, so the
-  replicas stay bit-identical.
+  round late. The micro-batch that requests round ``r + 1`` waits until the
+  round has started (which needs round ``r`` complete on this rank), so the
+  requesting rank applies ``r``'s result before computing round ``r + 2``'s
+  micro-batches: their gradients lack only round ``r + 1``'s update (staleness
+  one, as the paper's delayed synchronous SGD). That wait is the only one:
+  for the previous allreduce, which overlapped a whole round of micro-batches.
+  Every rank applies every result once, in round order, so the replicas stay
+  bit-identical.
 * **Agreement.** Every rank sees every round's header, so every rank counts
   the same global samples and rounds: the round after which the samples
   reach ``k * epoch_samples`` ends epoch ``k``; the round that reaches
@@ -188,7 +194,9 @@ class DelayedAllreduce(PartialAllreduce):
         """Adds a micro-batch (its *mean* gradient over ``samples`` samples); returns the results now due.
 
         A result is due once the round after it has started on this rank; they
-        come in round order, and each exactly once. Never blocks on other ranks.
+        come in round order, and each exactly once. Blocks only when this
+        micro-batch requests the next round: until that round has started here,
+        i.e. until the previous round has completed (bounded by the timeout).
         """
         self._check_running("deposit")
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
@@ -219,16 +227,33 @@ class DelayedAllreduce(PartialAllreduce):
                 d.ready.record(torch.cuda.current_stream(self._cuda_device))
             self.deposit_round = q
             pending = sum(p.samples for p in self._pending)
+            triggered = False
             if not self._requested and self._trigger_met(pending):
                 self._requested = True
+                triggered = not self._paused
                 if not self._paused and self._waiting_round is not None:
                     wake = self._waiting_round
         if wake is not None:
             assert self._control is not None
             self._control.wake(wake)  # the communication thread activates the round for everybody
-        # Rounds up to q - 2: round q - 1 has started (it was taken before this micro-batch
-        # came), so its predecessors are due; a snapshot since then waits for the next micro-batch.
-        return self._take_due(limit=q - 2)
+        if triggered:
+            # This micro-batch completes round q on this rank: wait until the round has
+            # started here (its communication thread snapshots it once round q - 1 has
+            # completed), so that round q - 1's result is applied now, exactly one round
+            # late. The only wait of a rank: for the previous allreduce, which overlapped
+            # the micro-batches of round q.
+            self._wait_on_cond(
+                lambda: self._raise_if_failed(q) or self._snapshotted >= q or self._final_round is not None
+                or self._paused or self._closing,
+                q,
+                f"round {q - 1} did not complete (is a rank dead or stalled?)",
+            )
+        with self._cond:
+            limit = self._snapshotted - 1
+        # Every round before the last one taken here has completed: round s is taken only
+        # after round s - 1 completed on this rank. Round r is handed at the first micro-batch
+        # boundary after round r + 1 started on this rank.
+        return self._take_due(limit=limit)
 
     def pause(self) -> None:
         """This rank activates no round until :meth:`resume` (caller's thread; returns once it holds)."""
@@ -247,6 +272,12 @@ class DelayedAllreduce(PartialAllreduce):
         if wake is not None:
             assert self._control is not None
             self._control.wake(wake)
+
+    @property
+    def started_round(self) -> int:
+        """The last round this rank's communication thread has taken (started here); -1 before any."""
+        with self._cond:
+            return self._snapshotted
 
     def known_round(self) -> int:
         """The last round activated as far as this rank can tell (after every rank paused)."""

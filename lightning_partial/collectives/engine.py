@@ -524,6 +524,7 @@ class PartialAllreduce:
                     self._waiting_round = None
                     deposits, self._pending = self._pending, []
                     self._snapshotted = r
+                    self._cond.notify_all()  # DelayedAllreduce.deposit waits for the snapshot
                     row = torch.zeros(self.world_size, _HEADER_WIDTH, dtype=torch.int64)
                     count, newest, oldest = self._describe_contribution(deposits)
                     row[self.rank, _COUNT] = count

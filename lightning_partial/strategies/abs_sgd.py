@@ -10,6 +10,12 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   gradient of one ``optimizer.step()``, preceded by Lightning's
   ``on_before_optimizer_step`` hooks and gradient clipping; ``trainer.global_step``
   counts these steps (the applied rounds), not the micro-batches.
+* **LR schedulers** with ``interval="step"`` step once per applied round,
+  right after its ``optimizer.step()`` (``frequency`` counts rounds), not once
+  per batch as Lightning would: every rank then uses the same learning rate
+  for the same round (ranks run different numbers of batches). The final
+  round's results at the end of fit step none. ``interval="epoch"`` and
+  plateau schedulers keep Lightning's handling.
 * **Data.** The train loader's ``DistributedSampler`` (injected by Lightning,
   ``use_distributed_sampler=True``) is replaced by an
   :class:`~lightning_partial.data.ElasticBatchSampler` with the same per-rank
@@ -266,7 +272,9 @@ class ABSSGDStrategy(PartialStrategy):
                 p.grad = None  # nothing was applied: leave no gradient behind
         return output
 
-    def _apply(self, index: int, optimizer: Optimizer, results: list[Any], model: Any = None) -> None:
+    def _apply(
+        self, index: int, optimizer: Optimizer, results: list[Any], model: Any = None, *, step_schedulers: bool = True
+    ) -> None:
         module = model if isinstance(model, pl.LightningModule) else self.lightning_module
         for result in results:
             for p, g in zip(self._params[index], result.tensors):
@@ -276,6 +284,9 @@ class ABSSGDStrategy(PartialStrategy):
                     p.grad.copy_(g)
             _compat.before_optimizer_step(self.precision_plugin, module, optimizer)
             optimizer.step()
+            if step_schedulers:
+                # Per round, not per batch: every rank then steps its schedulers at the same rounds.
+                _compat.step_round_schedulers(self.lightning_module.trainer, optimizer, result.stats.round_index)
             result.release()
             self._record(index, result.stats)
 
@@ -307,14 +318,22 @@ class ABSSGDStrategy(PartialStrategy):
         last = self._last_rounds[index]
         results = engine.finish(last)
         optimizer = self.optimizers[index]
-        self._apply(index, optimizer, results)
+        # After the loop: Lightning's schedulers are done (every rank skips the same final rounds).
+        self._apply(index, optimizer, results, step_schedulers=False)
         optimizer.zero_grad()
         return results[-1].stats
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._engines:
+            _compat.step_schedulers_by_rounds(self.lightning_module.trainer)  # type: ignore[union-attr]
 
     @override
     def on_train_end(self) -> None:
         if not self._stopped and self._engines:
             self._last_rounds = self._quiesce()
+        _compat.restore_scheduler_stepping(self.lightning_module.trainer)  # type: ignore[union-attr]
         super().on_train_end()
 
     @override

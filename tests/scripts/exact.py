@@ -60,6 +60,9 @@ def install_spy() -> None:
 
 
 def main() -> None:
+    from ports import ensure_master_port  # tests/scripts/ports.py: a port outside the ephemeral range
+
+    ensure_master_port()
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="eager_sgd")
     parser.add_argument("--steps", type=int, default=12)

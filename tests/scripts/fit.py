@@ -49,6 +49,7 @@ class Regressor(L.LightningModule):
         norm = [torch.nn.BatchNorm1d(16)] if batchnorm else []  # buffers that each replica updates itself
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), *norm, torch.nn.Tanh(), torch.nn.Linear(16, 1))
         self.pid_dir: Path | None = None
+        self.step_scheduler = False
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -62,7 +63,12 @@ class Regressor(L.LightningModule):
             (self.pid_dir / f"rank{self.global_rank}.pid").write_text(str(os.getpid()))
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        if not self.step_scheduler:
+            return optimizer
+        # Halves the learning rate every 3 optimizer steps (abs_sgd: every 3 rounds).
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 class SaveAt(L.Callback):
@@ -91,6 +97,8 @@ class EpochProbe(L.Callback):
         self.batches.append(0)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if not self.batches:  # resumed mid-epoch: Lightning skips the epoch start
+            self.batches.append(0)
         self.batches[-1] += 1
 
 
@@ -127,6 +135,9 @@ def parse_speed(text: str) -> list[float]:
 
 
 def main() -> None:
+    from ports import ensure_master_port  # tests/scripts/ports.py: a port outside the ephemeral range
+
+    ensure_master_port()
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="eager_sgd", help="a registered name, or 'eager_sgd:<mode>'")
     parser.add_argument("--devices", type=int, default=4)
@@ -144,6 +155,7 @@ def main() -> None:
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d layer (per-replica buffers)")
     parser.add_argument("--max-epochs", type=int, default=None, help="Trainer(max_epochs); then --steps is ignored")
     parser.add_argument("--adaptive", action="store_true", help="add an AdaptiveBatchSize(window=4, min_batch_size=2) (abs_sgd)")
+    parser.add_argument("--step-scheduler", action="store_true", help="a StepLR stepped per optimizer step")
     parser.add_argument("--save-at", type=int, default=None, help="save <out>/mid.ckpt after this many steps")
     parser.add_argument("--save-epoch", type=int, default=None, help="save <out>/mid.ckpt at this epoch's end")
     parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to resume the fit from")
@@ -156,6 +168,7 @@ def main() -> None:
     y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(2048, 1, generator=g)
     loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
     model = Regressor(batchnorm=args.batchnorm)
+    model.step_scheduler = args.step_scheduler
     model.pid_dir = args.out / "pids"
     strategy: Any = args.strategy
     if strategy.startswith("eager_sgd:"):  # a configured instance rather than a registry name
@@ -224,6 +237,7 @@ def main() -> None:
         },
     }
     record["global_step"] = trainer.global_step
+    record["lr"] = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
     record["epoch_batches"] = epochs.batches
     if adaptive is not None:
         record["adaptive"] = [[r, list(sizes)] for r, sizes in adaptive.history]

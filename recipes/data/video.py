@@ -1,0 +1,208 @@
+"""Variable-length videos as per-frame feature sequences (UCF101-style), real or built-in.
+
+**Real format** (``data_dir`` set), one feature file per video, as produced by
+running a frame-level CNN (e.g. ResNet-50's pooled features) over each video:
+
+```
+data_dir/
+  train.csv          # header "video,label"; one row per video
+  val.csv
+  features/...       # the paths the CSV files name, relative to data_dir
+```
+
+* ``video``: path of a NumPy ``.npy`` file, relative to ``data_dir``, holding a
+  ``float32``/``float16`` array ``[frames, feature_dim]`` (frames >= 1; the
+  feature size is the same for every video).
+* ``label``: the class index, an integer in ``0..num_classes-1`` (UCF101's
+  ``classInd.txt`` numbers minus one). ``num_classes`` is the largest label + 1.
+
+Sequences longer than ``max_frames`` are subsampled evenly to ``max_frames``.
+
+**Built-in** (``data_dir`` unset): a video of class ``c`` has a random length in
+``[min_frames, max_frames]``; its frames are Gaussian noise, and during an
+"action" (a random window covering 30-60% of the frames) the class's fixed
+feature pattern is added to them. The label depends only on the content, the
+position of the action varies, and the length varies: long videos cost more
+compute, the inherent imbalance of the LSTM workload.
+
+Batches: ``(features [B, T_max, D] zero-padded, lengths [B] int64, labels [B] int64)``.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from recipes.data.base import RecipeDataModule, sample_generator
+from recipes.errors import RecipeConfigError, check_float, check_int, require_file
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def pad_sequences(samples: list[tuple[torch.Tensor, int]]) -> Batch:
+    """``collate_fn``: zero-pads ``[T_i, D]`` sequences to ``[B, T_max, D]``; returns them, lengths and labels."""
+    lengths = torch.tensor([len(x) for x, _ in samples], dtype=torch.int64)
+    features = torch.nn.utils.rnn.pad_sequence([x for x, _ in samples], batch_first=True)
+    labels = torch.tensor([y for _, y in samples], dtype=torch.int64)
+    return features, lengths, labels
+
+
+class ActionSequences(Dataset):
+    """Built-in variable-length feature sequences whose label is the action they contain (module docstring)."""
+
+    def __init__(self, num_samples: int, *, num_classes: int, feature_dim: int, min_frames: int, max_frames: int,
+                 signal: float = 1.0, seed: int = 0, split: int = 0) -> None:
+        self.num_samples, self.num_classes, self.feature_dim = num_samples, num_classes, feature_dim
+        self.min_frames, self.max_frames, self.signal = min_frames, max_frames, signal
+        self.seed, self.split = seed, split
+        g = torch.Generator().manual_seed(seed)
+        patterns = torch.randn(num_classes, feature_dim, generator=g)
+        self.patterns = patterns / patterns.norm(dim=1, keepdim=True) * feature_dim**0.5
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(index)
+        g = sample_generator(self.seed * 7919 + self.split + 1, index)
+        label = int(torch.randint(self.num_classes, (1,), generator=g))
+        frames = int(torch.randint(self.min_frames, self.max_frames + 1, (1,), generator=g))
+        x = torch.randn(frames, self.feature_dim, generator=g)
+        span = max(1, round(frames * (0.3 + 0.3 * float(torch.rand(1, generator=g)))))
+        start = int(torch.randint(0, frames - span + 1, (1,), generator=g))
+        x[start : start + span] += self.signal * self.patterns[label]
+        return x, label
+
+
+def read_label_csv(path: Path) -> list[tuple[str, int]]:
+    """Rows ``(video path, label)`` of a ``video,label`` CSV; errors name the file and the row."""
+    rows: list[tuple[str, int]] = []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None or not {"video", "label"} <= set(reader.fieldnames):
+            raise RecipeConfigError("data.data_dir", f"{str(path)!r} must have the header 'video,label', "
+                                                     f"got {reader.fieldnames}")
+        for line, row in enumerate(reader, start=2):
+            try:
+                label = int(row["label"])
+            except (TypeError, ValueError):
+                raise RecipeConfigError("data.data_dir", f"{str(path)!r} line {line}: label must be an integer "
+                                                         f"class index, got {row['label']!r}") from None
+            if label < 0 or not row["video"]:
+                raise RecipeConfigError("data.data_dir", f"{str(path)!r} line {line}: bad row {row}")
+            rows.append((row["video"], label))
+    if not rows:
+        raise RecipeConfigError("data.data_dir", f"{str(path)!r} lists no video")
+    return rows
+
+
+class FeatureFiles(Dataset):
+    """Per-video ``.npy`` feature files listed in a ``video,label`` CSV (module docstring)."""
+
+    def __init__(self, root: Path, rows: list[tuple[str, int]], feature_dim: int, max_frames: int) -> None:
+        self.root, self.rows, self.feature_dim, self.max_frames = root, rows, feature_dim, max_frames
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        name, label = self.rows[index]
+        path = self.root / name
+        array = np.load(path, mmap_mode="r")
+        if array.ndim != 2 or array.shape[0] < 1 or array.shape[1] != self.feature_dim:
+            raise ValueError(f"{path}: expected a [frames >= 1, {self.feature_dim}] feature array, got {array.shape}")
+        if array.shape[0] > self.max_frames:
+            keep = np.linspace(0, array.shape[0] - 1, self.max_frames).round().astype(np.int64)
+            array = array[keep]
+        return torch.from_numpy(np.asarray(array, dtype=np.float32).copy()), label
+
+
+class VideoFeaturesDataModule(RecipeDataModule):
+    """UCF101-style per-frame features (``data_dir``, see the module docstring) or built-in action sequences.
+
+    Args:
+        max_frames: longest sequence fed to the model (real: longer ones are subsampled;
+            built-in: the longest generated).
+        min_frames: built-in: the shortest sequence.
+        feature_dim: built-in: features per frame (real: read from the files).
+        synthetic_classes, synthetic_train_samples, synthetic_val_samples, signal, seed:
+            built-in data's classes, sizes, action strength and seed.
+        (and ``data_dir``, ``batch_size``, ``eval_batch_size``, ``num_workers``: see ``RecipeDataModule``)
+    """
+
+    data_dir_hint = "it must hold train.csv and val.csv ('video,label' rows naming .npy feature files)"
+    collate_fn = staticmethod(pad_sequences)
+
+    def __init__(
+        self,
+        data_dir: Optional[str] = None,
+        batch_size: int = 32,
+        eval_batch_size: Optional[int] = None,
+        num_workers: int = 0,
+        max_frames: int = 64,
+        min_frames: int = 8,
+        feature_dim: int = 64,
+        synthetic_classes: int = 10,
+        synthetic_train_samples: int = 8_000,
+        synthetic_val_samples: int = 1_000,
+        signal: float = 0.6,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(data_dir, batch_size, eval_batch_size, num_workers)
+        self.max_frames = check_int(max_frames, "data.max_frames", minimum=1)
+        self.min_frames = check_int(min_frames, "data.min_frames", minimum=1)
+        if self.builtin and self.min_frames > self.max_frames:
+            raise RecipeConfigError("data.min_frames", f"must be <= data.max_frames ({max_frames}), got {min_frames}")
+        self.synthetic_classes = check_int(synthetic_classes, "data.synthetic_classes", minimum=2)
+        self.synthetic_train_samples = check_int(synthetic_train_samples, "data.synthetic_train_samples", minimum=1)
+        self.synthetic_val_samples = check_int(synthetic_val_samples, "data.synthetic_val_samples", minimum=1)
+        self.signal = check_float(signal, "data.signal", minimum=0.0)
+        self.seed = seed
+        self._feature_dim = check_int(feature_dim, "data.feature_dim", minimum=1)
+        self._rows: dict[str, list[tuple[str, int]]] = {}
+        if self.data_dir is not None:
+            for split in ("train", "val"):
+                self._rows[split] = read_label_csv(require_file(self.data_dir / f"{split}.csv", "data.data_dir",
+                                                                f"the {split} label file"))
+            first = self.data_dir / self._rows["train"][0][0]
+            require_file(first, "data.data_dir", "a feature file named in train.csv")
+            shape = np.load(first, mmap_mode="r").shape
+            if len(shape) != 2:
+                raise RecipeConfigError("data.data_dir", f"{str(first)!r}: expected a [frames, feature_dim] array, "
+                                                         f"got shape {shape}")
+            self._feature_dim = int(shape[1])
+
+    @property
+    def num_classes(self) -> int:
+        """Classes (linked to ``model.num_classes``): built-in ``synthetic_classes``, real the largest label + 1."""
+        if self.builtin:
+            return self.synthetic_classes
+        return 1 + max(label for rows in self._rows.values() for _, label in rows)
+
+    @property
+    def feature_dim(self) -> int:
+        """Features per frame (linked to ``model.feature_dim``)."""
+        return self._feature_dim
+
+    def _build(self) -> tuple[Dataset, Dataset]:
+        if self.data_dir is None:
+            common = dict(num_classes=self.synthetic_classes, feature_dim=self._feature_dim,
+                          min_frames=self.min_frames, max_frames=self.max_frames, signal=self.signal, seed=self.seed)
+            return (ActionSequences(self.synthetic_train_samples, split=0, **common),
+                    ActionSequences(self.synthetic_val_samples, split=1, **common))
+        for split, rows in self._rows.items():
+            missing = [name for name, _ in rows if not (self.data_dir / name).is_file()]
+            if missing:
+                raise RecipeConfigError("data.data_dir", f"{len(missing)} feature file(s) listed in {split}.csv "
+                                                         f"do not exist, e.g. {str(self.data_dir / missing[0])!r}")
+        return (FeatureFiles(self.data_dir, self._rows["train"], self._feature_dim, self.max_frames),
+                FeatureFiles(self.data_dir, self._rows["val"], self._feature_dim, self.max_frames))

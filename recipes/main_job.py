@@ -1,0 +1,323 @@
+"""The main job: one recipe on built-in data, 4 CPU processes, injected stragglers, DDP against every strategy.
+
+    .venv/bin/python recipes/main_job.py
+
+For each strategy (``ddp`` first, then ``eager_sgd``, ``eager_sgd_majority``,
+``wagma_sgd``, ``ds_sync`` and ``abs_sgd`` where this version has it) it runs
+the reference recipe (``cifar_resnet``: a small ResNet-20 on the built-in
+images) as its own 4-process fit::
+
+    python recipes/cifar_resnet.py fit --config conf/main_job.yaml --trainer.strategy <strategy> ...
+
+with Lightning's progress bar, a ``LoadImbalance`` straggler (1 of the 4 ranks,
+drawn per batch with a shared seed, sleeps ``imbalance.delay_ms`` before its
+forward pass), and an offline W&B run per strategy. Every fit trains for the
+same number of epochs (the same samples in total, also under ``abs_sgd``,
+whose epochs end by global samples). Then it prints a table (throughput,
+ratio to DDP, held-out accuracy of rank 0's final model), writes a PNG plot
+and a JSON file, and lists the W&B runs.
+
+Throughput is measured per rank from its first batch to the end of the fit
+(after the strategies' final synchronisation; Lightning's start-up excluded)
+by ``recipes.summary.FitSummary``; samples/s is the sum over the ranks.
+
+Options: ``--strategies ddp,eager_sgd``, ``--recipe``, ``--config``,
+``--devices``, ``--delay-ms``, ``--out``, ``--logger csv``, ``--timeout``;
+anything after ``--`` goes to every fit's command line (e.g.
+``-- --trainer.max_epochs 2``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import math
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+log = logging.getLogger("recipes.main_job")
+
+ROOT = Path(__file__).resolve().parent.parent
+ALL_STRATEGIES = ("ddp", "eager_sgd", "eager_sgd_majority", "wagma_sgd", "ds_sync", "abs_sgd")
+LABELS = {
+    "ddp": "DDP", "eager_sgd": "eager-SGD solo", "eager_sgd_majority": "eager-SGD majority",
+    "wagma_sgd": "WAGMA-SGD", "ds_sync": "DS-Sync", "abs_sgd": "ABS-SGD",
+}
+# Variables that would make a fit believe its processes were started by someone else.
+_RANK_VARIABLES = (
+    "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID", "GROUP_RANK", "LOCAL_WORLD_SIZE",
+)
+
+
+def abs_sgd_available() -> bool:
+    """Whether this version of lightning_partial ships abs_sgd (without importing Lightning here: ~9 s)."""
+    try:
+        return importlib.util.find_spec("lightning_partial.strategies.abs_sgd") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def fit_command(args: argparse.Namespace, strategy: str, records: Path) -> list[str]:
+    """The command line of one strategy's fit (Lightning re-runs it for ranks 1..P-1)."""
+    command = [
+        sys.executable, str(ROOT / "recipes" / f"{args.recipe}.py"), "fit", "--config", str(args.config),
+        "--trainer.strategy", strategy, "--trainer.devices", str(args.devices),
+        "--summary.out_dir", str(records), "--summary.evaluate", "true",
+    ]
+    if args.delay_ms is not None:
+        command += ["--imbalance.delay_ms", repr(args.delay_ms)]
+    if args.logger == "wandb":
+        command += ["--trainer.logger.save_dir", str(args.out), "--trainer.logger.name", f"main_job-{strategy}"]
+    else:
+        command += ["--config", str(ROOT / "conf" / "loggers" / "csv.yaml"), "--trainer.logger.save_dir",
+                    str(args.out / "csv"), "--trainer.logger.name", strategy]
+    return command + list(args.extra)
+
+
+def free_port(low: int = 20000, high: int = 32000) -> int:
+    """A free port below the kernel's ephemeral range (usually 32768-60999).
+
+    Lightning's own pick binds port 0, i.e. takes a port from that range, which
+    any outgoing connection (gloo opens many, and six fits run in a row) may be
+    handed before rank 0's store binds it: a rare ``EADDRINUSE``.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(low, high)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{low}, {high})")
+
+
+def run_fit(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
+    """One strategy's fit in its own process group (killed whole on timeout); returns its rank records."""
+    records = args.out / "records" / strategy
+    records.mkdir(parents=True, exist_ok=True)
+    for stale in records.glob("rank*.json"):
+        stale.unlink()
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.setdefault("WANDB_MODE", "offline")
+    env.setdefault("WANDB_SILENT", "true")
+    env["MASTER_PORT"] = str(free_port())
+    command = fit_command(args, strategy, records)
+    log.info("==> %s: %s", strategy, " ".join(command[1:]))
+    t0 = time.monotonic()
+    # Progress bar and logs go straight to this terminal; a new session so that a
+    # time-out kills rank 0 and the ranks Lightning started together.
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
+    rc: Optional[int] = None
+    try:
+        rc = proc.wait(timeout=args.timeout)
+        deadline = time.monotonic() + 60  # ranks 1.. may finish writing after rank 0 exits
+        while rc == 0 and len(list(records.glob("rank*.json"))) < args.devices and time.monotonic() < deadline:
+            time.sleep(0.2)
+    except subprocess.TimeoutExpired:
+        log.error("%s: no result after %.0f s: killing its processes", strategy, args.timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # leftovers (also on Ctrl-C): nothing outlives its fit
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    elapsed = time.monotonic() - t0
+    ranks = sorted((json.loads(p.read_text()) for p in records.glob("rank*.json")), key=lambda r: r["rank"])
+    ok = rc == 0 and len(ranks) == args.devices
+    if not ok:
+        log.error("%s failed (exit status %s, %d of %d rank records)", strategy, rc, len(ranks), args.devices)
+    return {"strategy": strategy, "ok": ok, "returncode": rc, "elapsed_s": elapsed, "ranks": ranks}
+
+
+def summarise(run: dict[str, Any]) -> dict[str, Any]:
+    """Figures of one fit from its rank records."""
+    ranks = run["ranks"]
+    r0 = ranks[0]
+    return {
+        "batches_per_s": statistics.fmean(r["batches_per_s"] for r in ranks),
+        "samples_per_s": sum(r["samples_per_s"] for r in ranks),
+        "samples": sum(r["samples"] for r in ranks),
+        "wall_s": max(r["wall_s"] for r in ranks),
+        "val_acc": r0.get("val_acc", float("nan")),
+        "val_loss": r0.get("val_loss", float("nan")),
+        "replicas_identical": len({r["parameter_digest"] for r in ranks}) == 1,
+        "loss_curve": r0["losses"],
+    }
+
+
+def add_ratios(results: dict[str, dict[str, Any]]) -> None:
+    """Throughput ratio and accuracy difference to DDP, where DDP ran."""
+    ddp = results.get("ddp", {}).get("summary")
+    for entry in results.values():
+        s = entry.get("summary")
+        if s is None:
+            continue
+        s["x_ddp"] = s["samples_per_s"] / ddp["samples_per_s"] if ddp else None
+        s["acc_vs_ddp_points"] = (s["val_acc"] - ddp["val_acc"]) * 100 if ddp else None
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def table(results: dict[str, dict[str, Any]], chance: Optional[float]) -> str:
+    """The final table, as text."""
+    header = (f"{'strategy':<20}{'batches/s':>10}{'samples/s':>11}{'x DDP':>8}{'accuracy %':>12}{'vs DDP':>8}"
+              f"{'fit s':>8}{'run s':>7}  replicas")
+    lines = [header, "-" * len(header)]
+    for name, entry in results.items():
+        s = entry.get("summary")
+        if s is None:
+            lines.append(f"{name:<20}  {entry.get('note') or 'failed'}")
+            continue
+        lines.append(
+            f"{name:<20}{s['batches_per_s']:>10.2f}{s['samples_per_s']:>11.0f}{_fmt(s['x_ddp'], '.2f'):>8}"
+            f"{s['val_acc'] * 100:>12.2f}{_fmt(s['acc_vs_ddp_points'], '+.2f'):>8}{s['wall_s']:>8.1f}"
+            f"{entry['elapsed_s']:>7.0f}  {'identical' if s['replicas_identical'] else 'DIFFER'}"
+        )
+    if chance is not None:
+        lines.append(f"(chance: {chance * 100:.0f}%; accuracy: rank 0's final model on the held-out built-in set; "
+                     "throughput: sum over ranks, first batch to end of fit)")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+    """Throughput relative to DDP, accuracy, and rank 0's loss against time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, e in results.items() if e.get("summary")]
+    labels = [LABELS.get(n, n) for n in names]
+    colors = ["tab:gray" if n == "ddp" else "tab:orange" for n in names]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    ratios = [results[n]["summary"]["x_ddp"] or float("nan") for n in names]
+    axes[0].bar(range(len(names)), ratios, color=colors)
+    axes[0].axhline(1.0, color="k", lw=0.8)
+    axes[0].set_ylabel("samples/s relative to DDP")
+    axes[0].set_title("Throughput under injected stragglers")
+    accs = [results[n]["summary"]["val_acc"] * 100 for n in names]
+    axes[1].bar(range(len(names)), accs, color=colors)
+    axes[1].set_ylabel("held-out accuracy of rank 0's model (%)")
+    axes[1].set_title("Accuracy after the same samples")
+    for ax, values, spec in ((axes[0], ratios, "{:.2f}"), (axes[1], accs, "{:.1f}")):
+        ax.set_xticks(range(len(names)), labels, rotation=30, ha="right", fontsize=8)
+        for i, v in enumerate(values):
+            if not math.isnan(v):
+                ax.text(i, v, spec.format(v), ha="center", va="bottom", fontsize=8)
+    for n, label in zip(names, labels):
+        curve = results[n]["summary"]["loss_curve"]
+        if curve:
+            t, loss = zip(*curve)
+            window = 8
+            smooth = [statistics.fmean(loss[max(0, i - window + 1) : i + 1]) for i in range(len(loss))]
+            axes[2].plot(t, smooth, label=label, lw=1.2, ls="--" if n == "ddp" else "-")
+    axes[2].set_xlabel("rank 0's training time (s)")
+    axes[2].set_ylabel("training loss (8-batch mean)")
+    axes[2].set_title("Loss against time (rank 0)")
+    axes[2].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def wandb_runs(directory: Path) -> set[Path]:
+    """The offline W&B run directories under ``directory``."""
+    return set((directory / "wandb").glob("offline-run-*")) if (directory / "wandb").is_dir() else set()
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        extra, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--recipe", default="cifar_resnet", help="the recipe (recipes/<recipe>.py)")
+    parser.add_argument("--config", type=Path, default=ROOT / "conf" / "main_job.yaml",
+                        help="the fits' configuration (model and data sizes, epochs, imbalance, logger)")
+    parser.add_argument("--strategies", default=",".join(ALL_STRATEGIES), help="comma-separated, ddp first")
+    parser.add_argument("--devices", type=int, default=4, help="CPU processes per fit")
+    parser.add_argument("--delay-ms", type=float, default=None, help="straggler delay (default: the config's)")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "main_job", help="results, plot, W&B runs")
+    parser.add_argument("--logger", choices=("wandb", "csv"), default="wandb", help="wandb (offline) or csv")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per fit before it is killed")
+    args = parser.parse_args(argv)
+    args.extra = extra
+    args.out = args.out.resolve()
+    args.config = args.config.resolve()
+    if not args.config.is_file():
+        parser.error(f"--config: {args.config} does not exist")
+    if not (ROOT / "recipes" / f"{args.recipe}.py").is_file():
+        parser.error(f"--recipe: no recipes/{args.recipe}.py")
+    if args.devices < 1:
+        parser.error(f"--devices must be >= 1, got {args.devices}")
+    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in names if s not in ALL_STRATEGIES]
+    if unknown or not names:
+        parser.error(f"--strategies: unknown {unknown}; choose from {','.join(ALL_STRATEGIES)}")
+    args.strategy_list = names
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    before = wandb_runs(args.out)
+    results: dict[str, dict[str, Any]] = {}
+    for strategy in args.strategy_list:
+        if strategy == "abs_sgd" and not abs_sgd_available():
+            results[strategy] = {"note": "skipped: this lightning_partial has no abs_sgd", "elapsed_s": 0.0}
+            continue
+        run = run_fit(args, strategy)
+        results[strategy] = {"elapsed_s": run["elapsed_s"], "returncode": run["returncode"], "ranks": run["ranks"]}
+        if run["ok"]:
+            results[strategy]["summary"] = summarise(run)
+    add_ratios(results)
+    total = time.monotonic() - t0
+    chance = None
+    config_text = args.config.read_text()
+    if "synthetic_classes" in config_text:  # the built-in data's classes, for the "chance" line
+        for line in config_text.splitlines():
+            if line.strip().startswith("synthetic_classes:"):
+                chance = 1.0 / int(line.split(":", 1)[1].split("#")[0])
+    title = (f"recipe {args.recipe}, {args.devices} CPU processes, built-in data, "
+             f"config {args.config.name}{' ' + ' '.join(args.extra) if args.extra else ''}")
+    payload = {"recipe": args.recipe, "config": str(args.config), "devices": args.devices, "extra": args.extra,
+               "delay_ms": args.delay_ms, "total_s": total, "results": results,
+               "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}
+    (args.out / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
+    if any(e.get("summary") for e in results.values()):
+        plot(results, args.out / "main_job.png", title)
+    new_runs = sorted(wandb_runs(args.out) - before)
+    print()
+    print(table(results, chance))
+    print()
+    print(f"main job: {len(results)} fits in {total:.0f} s; results {args.out / 'results.json'}, "
+          f"plot {args.out / 'main_job.png'}")
+    if args.logger == "wandb":
+        print(f"W&B offline runs ({len(new_runs)}): " + (", ".join(str(p) for p in new_runs) or "none"))
+        if new_runs:
+            print(f"upload later with: wandb sync {new_runs[0].parent}/offline-run-*")
+    return 0 if all(e.get("summary") or e.get("note") for e in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
