@@ -366,7 +366,8 @@ def fit4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("wandb")
     out = tmp_path_factory.mktemp("fit4")
     home = out / "wandb_home"  # wandb's config/cache/data stay in the test's directory
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}  # WANDB_MODE unset: default offline
+    env = {k: v for k, v in os.environ.items()  # WANDB_MODE unset: default offline; the script picks its port
+           if not k.startswith("WANDB_") and k not in ("MASTER_ADDR", "MASTER_PORT")}
     env.update(
         OMP_NUM_THREADS="1",
         PYTHONWARNINGS="ignore",
