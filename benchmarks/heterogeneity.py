@@ -2,14 +2,14 @@
 
 Three 4-process CPU fits of the imbalance benchmark's task and model
 (``benchmarks/imbalance.py``: teacher-labelled 10-class data, MLP 32-512-512-512-10,
-SGD lr 0.05 momentum 0.9), each over **one epoch of the same dataset**
-(``--steps x 4 x --batch-size`` samples), with
+plain SGD lr 0.15 by default: see below), each over **one epoch of the same dataset**
+(``--steps x 4 x --batch-size`` samples; ``abs_sgd`` trains ``--abs-epochs`` 3 epochs), with
 ``LoadImbalance(speed=(1, 1, 0.5, 0.25))`` (a rank with factor ``f`` sleeps so
 that its batches take ``1/f`` as long):
 
 * ``ddp``: ``--steps`` synchronous steps of ``--batch-size`` per rank;
-* ``abs_sgd``: ``strategy="abs_sgd"`` with ``AdaptiveBatchSize``: the epoch
-  ends when the ranks together have drawn the dataset's samples;
+* ``abs_sgd``: ``ABSSGDStrategy(target_samples=512)`` with ``AdaptiveBatchSize``:
+  an epoch ends when the ranks together have drawn the dataset's samples;
 * ``no_comm``: every rank trains alone on its shard (the bound: the sum of the
   ranks' solo speeds, samples/s summed over ranks).
 
@@ -19,7 +19,14 @@ reach DDP's final loss (rank 0's loss averaged over 10 batches, against DDP's
 last 10) as a ratio of DDP's training time. Writes ``results/heterogeneity.json``
 and a PNG beside it.
 
-Run: ``.venv/bin/python benchmarks/heterogeneity.py`` (about 2 minutes, on an idle machine).
+Why no momentum by default: a gradient applied one round late shrinks SGD's
+stable step size (on a quadratic of curvature ``l``: ``lr * l < 1`` instead of
+``< 2`` without momentum; with momentum 0.9, ``< 0.1`` instead of ``< 3.8``).
+With DDP's lr 0.05 and momentum 0.9 abs_sgd's loss spikes (``--momentum 0.9
+--lr 0.05`` shows it). ``--target-samples`` trades throughput (fewer
+allreduces) against progress per sample (fewer, larger updates).
+
+Run: ``.venv/bin/python benchmarks/heterogeneity.py`` (about 1.5 minutes, on an idle machine).
 """
 
 from __future__ import annotations
@@ -102,7 +109,7 @@ def run_worker(args: argparse.Namespace) -> int:
         strategy = "ddp"
     model = Net()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=4, plugins=[LightningEnvironment()],
-                        max_epochs=1, callbacks=callbacks, logger=False, enable_checkpointing=False,
+                        max_epochs=args.abs_epochs if args.run == "abs_sgd" else 1, callbacks=callbacks, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     assert lightning_partial  # registers abs_sgd
     trainer.fit(model, loader)
@@ -143,7 +150,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
                         str(args.steps), "--batch-size", str(args.batch_size), "--speed", ",".join(map(str, args.speed)),
                         *([] if args.target_samples is None else ["--target-samples", str(args.target_samples)]),
                         "--adaptive" if args.adaptive else "--no-adaptive", "--lr", str(args.lr),
-                        "--momentum", str(args.momentum)], check=True, timeout=900,
+                        "--momentum", str(args.momentum), "--abs-epochs", str(args.abs_epochs)], check=True, timeout=900,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
         files = [args.workdir / f"{name}.rank{r}.json" for r in range(4)]
         # The launcher (rank 0) may exit before the other ranks wrote (no_comm ends without a barrier).
@@ -179,7 +186,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
         "abs_time_to_ddp_final_loss_s": reach,
         "abs_time_to_ddp_final_loss_ratio": reach / ddp["wall_s"] if reach is not None else None,
     }
-    return {"lr": args.lr, "momentum": args.momentum, "speed": args.speed, "target_samples": args.target_samples, "adaptive": args.adaptive,
+    return {"lr": args.lr, "momentum": args.momentum, "speed": args.speed, "target_samples": args.target_samples, "adaptive": args.adaptive, "abs_epochs": args.abs_epochs,
             "steps": args.steps, "batch_size": args.batch_size, "results": results,
             "summary": summary}
 
@@ -215,12 +222,14 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/lightning_partial_heterogeneity"))
     parser.add_argument("--speed", type=lambda v: tuple(float(x) for x in v.split(",")), default=SPEED,
                         help="per-rank speed factors (default 1,1,0.5,0.25)")
-    parser.add_argument("--target-samples", type=int, default=None,
-                        help="abs_sgd's target_samples (default: the strategy's, one micro-batch)")
+    parser.add_argument("--target-samples", type=int, default=512,
+                        help="abs_sgd's target_samples (default 512: four of the fastest rank's micro-batches)")
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                         help="abs_sgd with AdaptiveBatchSize (default: yes)")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--abs-epochs", type=int, default=3,
+                        help="epochs abs_sgd trains (ddp and no_comm: one), to see when it reaches DDP's final loss")
+    parser.add_argument("--lr", type=float, default=0.15)
+    parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--run", choices=CONFIGS, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run is not None:
