@@ -8,8 +8,9 @@ plain SGD lr 0.15 by default: see below), each over **one epoch of the same data
 that its batches take ``1/f`` as long):
 
 * ``ddp``: ``--steps`` synchronous steps of ``--batch-size`` per rank;
-* ``abs_sgd``: ``ABSSGDStrategy(target_samples=512)`` with ``AdaptiveBatchSize``:
-  an epoch ends when the ranks together have drawn the dataset's samples;
+* ``abs_sgd``: ``ABSSGDStrategy(target_samples=512)`` (``--adaptive``: with
+  ``AdaptiveBatchSize``): an epoch ends when the ranks together have drawn the
+  dataset's samples;
 * ``no_comm``: every rank trains alone on its shard (the bound: the sum of the
   ranks' solo speeds, samples/s summed over ranks).
 
@@ -224,8 +225,8 @@ def main() -> int:
                         help="per-rank speed factors (default 1,1,0.5,0.25)")
     parser.add_argument("--target-samples", type=int, default=512,
                         help="abs_sgd's target_samples (default 512: four of the fastest rank's micro-batches)")
-    parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
-                        help="abs_sgd with AdaptiveBatchSize (default: yes)")
+    parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
+                        help="abs_sgd with AdaptiveBatchSize (default: no; it costs throughput here, see the README)")
     parser.add_argument("--abs-epochs", type=int, default=3,
                         help="epochs abs_sgd trains (ddp and no_comm: one), to see when it reaches DDP's final loss")
     parser.add_argument("--lr", type=float, default=0.15)
