@@ -56,7 +56,7 @@ LABELS = {
     "wagma_sgd": "WAGMA-SGD", "ds_sync": "DS-Sync", "abs_sgd": "ABS-SGD",
 }
 # Variables that would make a fit believe its processes were started by someone else.
-_RANK_VARIABLES = (
+RANK_VARIABLES = (
     "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT",
     "TORCHELASTIC_RUN_ID", "GROUP_RANK", "LOCAL_WORLD_SIZE",
 )
@@ -102,7 +102,7 @@ def free_port(low: int = 20000, high: int = 32000) -> int:
     any outgoing connection (gloo opens many, and six fits run in a row) may be
     handed before rank 0's store binds it: a rare ``EADDRINUSE``.
     """
-    rng = random.Random()
+    rng = random.Random()  # not a seeded RNG: concurrent runs should not collide
     for _ in range(200):
         port = rng.randrange(low, high)
         with socket.socket() as sock:
@@ -120,7 +120,7 @@ def run_fit(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
     records.mkdir(parents=True, exist_ok=True)
     for stale in records.glob("rank*.json"):
         stale.unlink()
-    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.setdefault("WANDB_MODE", "offline")
     env.setdefault("WANDB_SILENT", "true")

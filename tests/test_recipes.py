@@ -36,7 +36,7 @@ from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
 from recipes.catalog import RECIPES  # noqa: E402
 from recipes.errors import RecipeConfigError  # noqa: E402
-from tests.scripts.ports import free_port  # noqa: E402
+from tests.scripts.ports import RANK_VARIABLES, free_port  # noqa: E402
 
 WORKER = Path(__file__).parent / "recipe_files" / "matrix_worker.py"
 STRATEGIES = ["ddp", "eager_sgd", "eager_sgd_majority", "wagma_sgd", "ds_sync", "abs_sgd"]
@@ -73,9 +73,7 @@ COMMON = [
     "--imbalance.delay_ms", "5", "--imbalance.stragglers", "1",
 ]
 FIT_ENV = {
-    **{k: v for k, v in os.environ.items() if k not in (
-        "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT",
-        "TORCHELASTIC_RUN_ID", "GROUP_RANK", "LOCAL_WORLD_SIZE", "WANDB_MODE")},
+    **{k: v for k, v in os.environ.items() if k not in (*RANK_VARIABLES, "WANDB_MODE")},
     "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
     "WANDB_BASE_URL": "http://127.0.0.1:9",  # no W&B server: a run that tried to go online would fail
 }

@@ -5,29 +5,22 @@ kernel's ephemeral range (``ip_local_port_range``, usually 32768-60999). Between
 that pick and rank 0's ``TCPStore`` binding it, any outgoing connection (gloo
 opens many) may be given the same port: ``EADDRINUSE``, seen in CI. Ports below
 the ephemeral range are never handed out to outgoing connections.
+
+The port picker and the list of rendezvous variables are the main job's
+(``recipes/main_job.py``, which imports no more than the standard library).
 """
 
 from __future__ import annotations
 
 import os
-import random
-import socket
+import sys
+from pathlib import Path
 
-_LOW, _HIGH = 20000, 32000
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `recipes` is not an installed package
 
+from recipes.main_job import RANK_VARIABLES, free_port  # noqa: E402
 
-def free_port() -> int:
-    """A port in ``[20000, 32000)`` that is free to bind on 127.0.0.1 now."""
-    rng = random.Random()  # not the tests' seeded RNG: concurrent sessions should not collide
-    for _ in range(200):
-        port = rng.randrange(_LOW, _HIGH)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in [{_LOW}, {_HIGH}) after 200 tries")
+__all__ = ["RANK_VARIABLES", "ensure_master_port", "free_port"]
 
 
 def ensure_master_port() -> None:
