@@ -613,3 +613,67 @@ def test_request_stop_is_refused_in_pure_sync_mode():
     e = PartialAllreduce(config(mode="sync"), store=dist.HashStore(), rank=0, world_size=1, like=torch.zeros(1))
     with pytest.raises(ValueError, match="header"):
         e.request_stop()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_header_rides_in_the_data_allreduce_exactly(dtype):
+    """gloo and host tensors: one collective a round, and the header survives it exactly.
+
+    The header travels as 8-bit limbs in the data buffer's tail; step numbers
+    beyond 2**40 (a resumed run) and bfloat16 data (8 significant bits) must
+    still come back exact, and the data must not see the tail.
+    """
+    start = 2**40 + 3
+    steps = 4
+
+    def fn(rank: int, store: dist.Store):
+        cfg = config(mode="quorum", quorum=P)  # every rank fresh every round: a known header
+        engine = PartialAllreduce(cfg, store=store, rank=rank, world_size=P, like=torch.zeros(7, dtype=dtype))
+        state = engine.state_dict()
+        engine.load_state_dict({**state, "step": start})
+        issued: list[str] = []
+        inner = engine._start
+
+        def counting_start(pg, tensor, r, what):
+            issued.append(what)
+            return inner(pg, tensor, r, what)
+
+        engine._start = counting_start
+        engine.start()
+        try:
+            results = [engine.arrive(torch.full((7,), float(rank + step), dtype=dtype)) for step in range(steps)]
+            last = engine.flush()
+        finally:
+            engine.close()
+        return issued, results, last
+
+    out = run_threads(P, fn)
+    for issued, results, last in out:
+        assert issued == ["data"] * (steps + 1), "the header must ride in the data allreduce"
+        for step, res in enumerate(results):
+            r = start + step
+            assert res.round_index == r
+            assert res.stats.fresh == tuple(range(P))
+            assert res.stats.counts == (1,) * P
+            assert res.stats.staleness == (0,) * P
+            assert res.stats.progress == (r + 1,) * P
+            assert res.stats.dropped == (0,) * P
+            expected = sum(rank + step for rank in range(P)) / P  # small integers / 4: exact in bfloat16
+            assert torch.equal(res.tensors[0], torch.full((7,), expected, dtype=dtype))
+        assert last.stats.flush and last.stats.contributions == 0 and last.round_index == start + steps
+
+
+def test_header_has_its_own_allreduce_in_sync_mode():
+    """Pure sync mode keeps buffers of the data's own length (bit-identical to dist.all_reduce): no tail."""
+
+    def fn(rank: int, store: dist.Store):
+        engine = PartialAllreduce(config(mode="sync"), store=store, rank=rank, world_size=P, like=torch.zeros(3))
+        assert engine.layout.tail == 0
+        engine.start()
+        try:
+            engine.arrive(torch.ones(3))
+            return engine.flush().stats.flush
+        finally:
+            engine.close()
+
+    assert run_threads(P, fn) == [True] * P

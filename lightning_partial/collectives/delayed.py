@@ -41,9 +41,9 @@ the rules fixed here (**Decisions**):
 Threads and collectives: the caller's thread calls :meth:`deposit` after each
 micro-batch and applies what it returns; it issues no collective (it only
 sets its own store key to wake its communication thread). The communication
-thread runs the rounds: activation through the store, the int64 header
-allreduce (samples per rank) on the gloo header group, the data allreduce on
-the data group.
+thread runs the rounds: activation through the store, then the data
+allreduce on the data group with the int64 header (samples per rank) in it,
+or beside it on the gloo header group (see ``PartialAllreduce``).
 """
 
 from __future__ import annotations
@@ -331,10 +331,10 @@ class DelayedAllreduce(PartialAllreduce):
             state["pending_first"] = [d.first_step for d in self._pending]
             unapplied = [r for r in sorted(self._results) if r > self._handed]
             state["unapplied"] = [
-                {"round": r, "flats": [f.detach().clone().cpu() for f in self._results[r].buffers],  # type: ignore[union-attr]
+                {"round": r, "flats": [f.detach().clone().cpu() for f in self.layout.data(self._results[r].buffers)],  # type: ignore[union-attr]
                  "counts": list(self._results[r].stats.counts)}  # type: ignore[union-attr]
                 for r in unapplied
-            ] + [{"round": x.round_index, "flats": [f.detach().clone().cpu() for f in x.buffers],
+            ] + [{"round": x.round_index, "flats": [f.detach().clone().cpu() for f in self.layout.data(x.buffers)],
                   "counts": list(x.stats.counts)} for x in self._restored]
             state["global_samples"] = self._global_samples
         return state
@@ -347,7 +347,7 @@ class DelayedAllreduce(PartialAllreduce):
         self._handed = self._completed = self._step - 1
         restored = []
         for item in sorted(state.get("unapplied", []), key=lambda u: u["round"]):
-            flats = [f.to(b.device, copy=True) for f, b in zip(item["flats"], self.layout.buckets)]
+            flats = self.layout.from_data(item["flats"])
             counts = tuple(int(c) for c in item["counts"])
             stats = RoundStats(
                 round_index=int(item["round"]), activator=-1, initiator=None, synchronous=False, flush=False,

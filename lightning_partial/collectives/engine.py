@@ -11,11 +11,15 @@ Threads and collectives (the contract):
 * The **communication thread** (one per engine) runs rounds ``0, 1, 2, ...`` in
   order, each exactly once: it waits in the store until the round is
   activated, takes whatever the send buffer holds at that moment (the fresh
-  gradient, carried late ones, or nothing), and issues two allreduces on
-  the engine's own process groups: an int64 header (per-rank counts, steps,
-  progress) on a gloo group, then the data on the data group (gloo, or NCCL
-  for CUDA tensors). The sequence of collectives is therefore identical on
-  every rank, and so are the results: replicas that apply them in order stay
+  gradient, carried late ones, or nothing), and issues the round's
+  allreduces on the engine's own process groups: the data on the data group
+  (gloo, or NCCL for CUDA tensors) and a small int64 header (per-rank counts,
+  steps, progress). With gloo and host tensors the header travels in the same
+  allreduce as the data, in the tail of the first flat buffer (one collective
+  a round: a second, tiny gloo allreduce measured 1.8 ms of CPU and doubled a
+  round's latency on a 2-core host); otherwise it is a separate allreduce on
+  a gloo group. The sequence of collectives is therefore identical on every
+  rank, and so are the results: replicas that apply them in order stay
   bit-identical.
 
 Round ``r`` is the round of training step ``r``: the caller of step ``r``
@@ -55,6 +59,13 @@ Tensors = Union[Tensor, Sequence[Tensor]]
 # Columns of the per-rank header row.
 _COUNT, _NEWEST, _OLDEST, _ACTIVATED, _FLUSH, _PROGRESS, _DROPPED, _STOP = range(8)
 _HEADER_WIDTH = 8
+# A header fused into the data travels as 8-bit limbs of its int64 values, one
+# element each: integers up to 255 are exact in every floating dtype a gradient
+# has (bfloat16 included), and each rank writes only its own row, so the sum
+# over ranks is exact. Header values are never negative.
+_LIMB_BITS = 8
+_LIMBS = 64 // _LIMB_BITS
+_LIMB_SHIFTS = torch.arange(_LIMBS, dtype=torch.int64) * _LIMB_BITS
 
 
 @dataclass
@@ -99,6 +110,10 @@ class RoundResult:
             self.layout.recycle(buffers)
 
 
+def _is_plain_int(dtype: torch.dtype) -> bool:
+    return dtype in (torch.int32, torch.int64)
+
+
 class PartialAllreduce:
     """A partial allreduce over a sequence of rounds (see the module docstring).
 
@@ -113,7 +128,8 @@ class PartialAllreduce:
         like: tensors with the shapes, dtypes and devices that every round
             carries (their values are not read). Fixed for the engine's life.
         backend: ``"gloo"`` or ``"nccl"`` for the data; default: NCCL for CUDA
-            tensors when available, gloo otherwise. The header always uses gloo.
+            tensors when available, gloo otherwise. The header uses gloo: inside
+            the data allreduce for host tensors over gloo, on its own group otherwise.
 
     Example::
 
@@ -129,6 +145,10 @@ class PartialAllreduce:
         last = engine.flush()   # apply last.tensors too: carried gradients
         engine.close()
     """
+
+    # Whether the header may ride in the data allreduce (subclasses whose data
+    # collective differs between ranks must check the header first: False).
+    _FUSE_HEADER = True
 
     def __init__(
         self,
@@ -160,6 +180,21 @@ class PartialAllreduce:
             raise ValueError(f"backend 'nccl' needs all tensors on one CUDA device, got {sorted(map(str, devices))}")
         self.backend = backend
         self._store = store
+        # One collective a round instead of two where the data allreduce can carry the header.
+        # Not in pure sync mode: it needs a header only at the flush, and a buffer of its
+        # own length keeps its rounds bit-identical to dist.all_reduce (gloo's ring splits
+        # a buffer into chunks by its length, which fixes the order of the additions).
+        self._fused_header = (
+            self._FUSE_HEADER
+            and config.mode != "sync"
+            and backend == "gloo"
+            and all(b.device.type == "cpu" for b in self.layout.buckets)
+            and (self.layout.buckets[0].dtype.is_floating_point or _is_plain_int(self.layout.buckets[0].dtype))
+        )
+        if self._fused_header:
+            self.layout = TensorLayout(
+                [like] if isinstance(like, Tensor) else list(like), tail=world_size * _HEADER_WIDTH * _LIMBS
+            )
 
         # Shared between the caller's thread and the communication thread;
         # every field below is guarded by self._cond.
@@ -338,7 +373,7 @@ class PartialAllreduce:
         resume of all ranks take it right after a synchronous round.
         """
         with self._cond:
-            pending = [[f.detach().clone().cpu() for f in d.flats] for d in self._pending]
+            pending = [[f.detach().clone().cpu() for f in self.layout.data(d.flats)] for d in self._pending]
             steps = [d.step for d in self._pending]
             return {
                 "step": self._step,
@@ -359,7 +394,7 @@ class PartialAllreduce:
             ):
                 raise ValueError(f"rank {self.rank}: the checkpoint's pending gradients do not match the layout")
             # A copy: the buffer becomes a send buffer, reduced in place.
-            pending.append(_Deposit([f.to(b.device, copy=True) for f, b in zip(flats, self.layout.buckets)], int(step)))
+            pending.append(_Deposit(self.layout.from_data(flats), int(step)))
         self._step = int(state["step"])
         self._initiators.setstate(state["initiator_rng"])
         self._pending = pending
@@ -613,11 +648,11 @@ class PartialAllreduce:
         return flats, divisor, {}
 
     def _reduce(self, r: int, header: Tensor, deposits: list[_Deposit], *, began: float, activated: float) -> RoundResult:
-        """Issues the round's allreduces: the header on the gloo group, the data on the data group.
+        """Issues the round's allreduces: the header and the data.
 
-        Both are in flight at once (two groups, two gloo worker threads), so the
-        header adds little latency. In pure ``sync`` mode only the final flush
-        carries a header.
+        With ``_fused_header`` the header rides in the data allreduce; otherwise
+        it is an allreduce on the gloo header group, in flight with the data.
+        In pure ``sync`` mode only the final flush carries a header.
         """
         flats = self._send_buffer(deposits)
         # Whether every rank takes part in the data collective with the same role
@@ -625,17 +660,20 @@ class PartialAllreduce:
         # same step on every rank (checked below), sync_every rounds are fixed.
         global_round = bool(header[self.rank, _FLUSH]) or self.config.is_sync_round(r)
         works = []
+        fused = False
         if self.config.mode == "sync" and not header[self.rank, _FLUSH]:
             # Pure sync mode: every rank contributed exactly its fresh gradient,
             # so the header is known without a collective (a tiny allreduce costs
             # as much latency as a large one on a loaded host).
             header[:, _COUNT] = 1
             header[:, _NEWEST] = header[:, _OLDEST] = header[:, _PROGRESS] = r + 1
+        elif self._fused_header:
+            fused = True
+            self._encode_header(header, flats)
         else:
             works.append((self._start(self._header_pg, header, r, "header"), "header"))
         data_works, context = self._start_data(r, flats, global_round=global_round)
         works += data_works
-        flushing: list[int] = []
         for work, what in works:
             self._finish(work, r, what)
             if what == "header":
@@ -643,17 +681,11 @@ class PartialAllreduce:
                 # another data collective than the others (GroupAverage: a global
                 # allreduce against their group send/recv), which would only end
                 # at the timeout. Every rank sees the same header and raises here.
-                flushing = header[:, _FLUSH].tolist()
-                if 0 < sum(flushing) < self.world_size:
-                    raise PartialCollectiveError(
-                        f"ranks {[i for i, f in enumerate(flushing) if f]} called flush() at this round but ranks "
-                        f"{[i for i, f in enumerate(flushing) if not f]} arrived: every rank must flush at the "
-                        "same step (the same number of optimizer steps on every rank)",
-                        rank=self.rank,
-                        round_index=r,
-                    )
-        if not flushing:
-            flushing = header[:, _FLUSH].tolist()
+                self._check_flush(header, r)
+        if fused:
+            header = self._decode_header(flats)
+            self._check_flush(header, r)
+        flushing = header[:, _FLUSH].tolist()
 
         counts = header[:, _COUNT].tolist()
         newest = header[:, _NEWEST].tolist()
@@ -688,6 +720,28 @@ class PartialAllreduce:
         tensors = self.layout.unflatten(flats)
         return RoundResult(round_index=r, tensors=tensors, stats=stats, buffers=flats, layout=self.layout)
 
+    def _check_flush(self, header: Tensor, r: int) -> None:
+        """Raises on every rank alike if only some ranks flush at round ``r``."""
+        flushing = header[:, _FLUSH].tolist()
+        if 0 < sum(flushing) < self.world_size:
+            raise PartialCollectiveError(
+                f"ranks {[i for i, f in enumerate(flushing) if f]} called flush() at this round but ranks "
+                f"{[i for i, f in enumerate(flushing) if not f]} arrived: every rank must flush at the "
+                "same step (the same number of optimizer steps on every rank)",
+                rank=self.rank,
+                round_index=r,
+            )
+
+    def _encode_header(self, header: Tensor, flats: list[Tensor]) -> None:
+        """Writes ``header`` (non-negative int64) as 8-bit limbs into the first buffer's tail."""
+        limbs = (header.unsqueeze(-1) >> _LIMB_SHIFTS) & ((1 << _LIMB_BITS) - 1)
+        self.layout.tail_of(flats).copy_(limbs.reshape(-1))
+
+    def _decode_header(self, flats: list[Tensor]) -> Tensor:
+        """The summed header, from the tail of the first buffer after the allreduce."""
+        limbs = self.layout.tail_of(flats).to(torch.int64).reshape(self.world_size, _HEADER_WIDTH, _LIMBS)
+        return (limbs << _LIMB_SHIFTS).sum(dim=-1)
+
     def _sum_deposits(self, deposits: list[_Deposit]) -> list[Tensor]:
         """The send buffer of a round: the sum of the deposits, or zeros (side stream on CUDA)."""
         if self._stream is None:
@@ -702,7 +756,7 @@ class PartialAllreduce:
         with torch.cuda.stream(self._stream):  # pragma: no cover - needs GPUs
             if not deposits:
                 # Allocated and zeroed on the side stream, the one the collective follows.
-                return [torch.zeros(b.numel, dtype=b.dtype, device=b.device) for b in self.layout.buckets]
+                return [torch.zeros(b.capacity, dtype=b.dtype, device=b.device) for b in self.layout.buckets]
             for d in deposits:
                 if d.ready is not None:
                     self._stream.wait_event(d.ready)

@@ -87,6 +87,10 @@ class GroupAverage(PartialAllreduce):
             (a late rank's last model is contributed to every round until it arrives).
     """
 
+    # The header must be checked before the data: a rank's data collective depends on
+    # its role in the round (group send/recv, or a global average on the flush).
+    _FUSE_HEADER = False
+
     def __init__(
         self,
         config: PartialAllreduceConfig,

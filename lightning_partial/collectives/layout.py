@@ -17,6 +17,7 @@ class _Bucket:
     indices: tuple[int, ...]
     shapes: tuple[torch.Size, ...]
     numel: int
+    capacity: int  # elements of a flat buffer: numel, plus the layout's tail on the first bucket
 
 
 class TensorLayout:
@@ -27,11 +28,17 @@ class TensorLayout:
     round: a later round whose tensors differ in number, shape, dtype or
     device is an error, because the collective sequence must be identical on
     every rank and in every round.
+
+    ``tail`` extra elements follow the data in the first bucket's buffers: the
+    engine carries its round header there, so that one collective moves both
+    (see ``PartialAllreduce``). :meth:`unflatten` and :meth:`data` never show it.
     """
 
-    def __init__(self, tensors: Sequence[Tensor]) -> None:
+    def __init__(self, tensors: Sequence[Tensor], *, tail: int = 0) -> None:
         if len(tensors) == 0:
             raise ValueError("a partial allreduce needs at least one tensor")
+        if tail < 0:
+            raise ValueError(f"tail must be >= 0, got {tail}")
         groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for i, t in enumerate(tensors):
             if not isinstance(t, Tensor):
@@ -40,15 +47,17 @@ class TensorLayout:
         self.signature: tuple[tuple[torch.Size, torch.dtype, torch.device], ...] = tuple(
             (t.shape, t.dtype, t.device) for t in tensors
         )
+        self.tail = tail
         self.buckets: tuple[_Bucket, ...] = tuple(
             _Bucket(
                 dtype=dtype,
                 device=device,
                 indices=tuple(idx),
                 shapes=tuple(tensors[i].shape for i in idx),
-                numel=sum(tensors[i].numel() for i in idx),
+                numel=(numel := sum(tensors[i].numel() for i in idx)),
+                capacity=numel + (tail if k == 0 else 0),
             )
-            for (dtype, device), idx in groups.items()
+            for k, ((dtype, device), idx) in enumerate(groups.items())
         )
         # Buffers handed back by RoundResult.release(), shared by the caller's
         # and the communication thread.
@@ -70,7 +79,7 @@ class TensorLayout:
         """Copies ``tensors`` into flat buffers, one per bucket (recycled ones if any)."""
         out = self._take()
         for buf, b in zip(out, self.buckets):
-            torch.cat([tensors[i].detach().reshape(-1) for i in b.indices], out=buf)
+            torch.cat([tensors[i].detach().reshape(-1) for i in b.indices], out=buf[: b.numel])
         return out
 
     def zeros(self) -> list[Tensor]:
@@ -92,7 +101,25 @@ class TensorLayout:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        return [torch.empty(b.numel, dtype=b.dtype, device=b.device) for b in self.buckets]
+        return [torch.empty(b.capacity, dtype=b.dtype, device=b.device) for b in self.buckets]
+
+    def tail_of(self, flats: Sequence[Tensor]) -> Tensor:
+        """The tail of the first bucket's buffer (a view)."""
+        b = self.buckets[0]
+        return flats[0][b.numel : b.capacity]
+
+    def data(self, flats: Sequence[Tensor]) -> list[Tensor]:
+        """Views of the buffers without the tail (what a checkpoint keeps)."""
+        return [f[: b.numel] for f, b in zip(flats, self.buckets)]
+
+    def from_data(self, data: Sequence[Tensor]) -> list[Tensor]:
+        """New buffers (zero tail) holding copies of :meth:`data` views, on the layout's devices."""
+        out = []
+        for d, b in zip(data, self.buckets):
+            buf = torch.zeros(b.capacity, dtype=b.dtype, device=b.device)
+            buf[: b.numel].copy_(d)
+            out.append(buf)
+        return out
 
     def unflatten(self, flats: Sequence[Tensor]) -> list[Tensor]:
         """Views of ``flats`` shaped like the original tensors, in their order."""
