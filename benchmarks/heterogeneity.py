@@ -27,7 +27,12 @@ With DDP's lr 0.05 and momentum 0.9 abs_sgd's loss spikes (``--momentum 0.9
 --lr 0.05`` shows it). ``--target-samples`` trades throughput (fewer
 allreduces) against progress per sample (fewer, larger updates).
 
-Run: ``.venv/bin/python benchmarks/heterogeneity.py`` (about 1.5 minutes, on an idle machine).
+``--reference-samples B`` gives abs_sgd the linear scaling rule per round
+(``ABSSGDStrategy(reference_samples=B)``). The three fits run ``--repeats`` (3)
+times, interleaved; the report holds medians, each repeat's figures and the
+host's steal time per fit (a shared VM's noise moves single runs by 20%).
+
+Run: ``.venv/bin/python benchmarks/heterogeneity.py`` (about 5 minutes, on an idle machine).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -47,7 +53,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from imbalance import BatchDataset, batch_collate, build_mlp, evaluate, make_task  # noqa: E402
+from imbalance import BatchDataset, batch_collate, build_mlp, cpu_ticks, evaluate, make_task  # noqa: E402
 
 SPEED = (1.0, 1.0, 0.5, 0.25)
 CONFIGS = ("ddp", "abs_sgd", "no_comm")
@@ -99,7 +105,8 @@ def run_worker(args: argparse.Namespace) -> int:
     clock = Clock()
     callbacks: list[Any] = [clock, LoadImbalance(speed=args.speed, log=False)]
     if args.run == "abs_sgd":
-        strategy: Any = lightning_partial.ABSSGDStrategy(target_samples=args.target_samples)
+        strategy: Any = lightning_partial.ABSSGDStrategy(target_samples=args.target_samples,
+                                                         reference_samples=args.reference_samples)
         if args.adaptive:
             callbacks.append(AdaptiveBatchSize(window=8, log=False))
     elif args.run == "no_comm":
@@ -140,55 +147,91 @@ def smoothed(trace: list[list[float]]) -> list[tuple[float, float]]:
     return out
 
 
+def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """One 4-process fit of configuration ``name``; its figures, rank 0's loss curve and the CPU stolen meanwhile."""
+    for stale in args.workdir.glob(f"{name}.rank*.json"):
+        stale.unlink()
+    ticks = cpu_ticks()
+    subprocess.run([sys.executable, __file__, "--run", name, "--workdir", str(args.workdir), "--steps",
+                    str(args.steps), "--batch-size", str(args.batch_size), "--speed", ",".join(map(str, args.speed)),
+                    *([] if args.target_samples is None else ["--target-samples", str(args.target_samples)]),
+                    *([] if args.reference_samples is None else ["--reference-samples", str(args.reference_samples)]),
+                    "--adaptive" if args.adaptive else "--no-adaptive", "--lr", str(args.lr),
+                    "--momentum", str(args.momentum), "--abs-epochs", str(args.abs_epochs)], check=True, timeout=900,
+                   env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    files = [args.workdir / f"{name}.rank{r}.json" for r in range(4)]
+    # The launcher (rank 0) may exit before the other ranks wrote (no_comm ends without a barrier).
+    deadline = time.monotonic() + 60
+    while not all(f.exists() for f in files) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    after = cpu_ticks()
+    steal = (after[0] - ticks[0]) / max(after[1] - ticks[1], 1) if ticks and after else None
+    ranks = [json.loads(f.read_text()) for f in files]
+    wall = max(r["t_end"] for r in ranks) - min(r["t_start"] for r in ranks)
+    if name == "no_comm":  # each rank alone: the sum of the ranks' own speeds
+        samples_per_s = sum(r["samples"] / (r["t_end"] - r["t_start"]) for r in ranks)
+    else:
+        samples_per_s = sum(r["samples"] for r in ranks) / wall
+    curve = smoothed(ranks[0]["trace"])
+    return {
+        "wall_s": wall,
+        "samples": [r["samples"] for r in ranks],
+        "batches": [r["batches"] for r in ranks],
+        "samples_per_s": samples_per_s,
+        "final_loss": curve[-1][1] if curve else None,
+        "test_acc": ranks[0]["test_acc"],
+        "test_loss": ranks[0]["test_loss"],
+        "global_step": ranks[0]["global_step"],
+        "steal_fraction": steal,
+        "curve": curve,
+    }
+
+
 def run_parent(args: argparse.Namespace) -> dict[str, Any]:
+    """``--repeats`` rounds of the three fits, interleaved (a slow spell of the host hits all three); medians."""
     args.workdir.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGS}
+    per_repeat: list[dict[str, Any]] = []
+    for repeat in range(args.repeats):
+        for name in CONFIGS:
+            began = time.monotonic()
+            runs[name].append(run_fit(args, name))
+            logging.info("%s.%d: done in %.0f s (host steal %s)", name, repeat, time.monotonic() - began,
+                         f"{runs[name][-1]['steal_fraction']:.1%}" if runs[name][-1]["steal_fraction"] is not None
+                         else "unknown")
+        ddp, abs_, bound = (runs[n][-1] for n in CONFIGS)
+        # DDP is deterministic (same loss every repeat); abs_sgd's time to reach it, against this repeat's DDP.
+        reach = next((t for t, x in abs_["curve"] if x <= ddp["final_loss"]), None)
+        per_repeat.append({
+            "abs_vs_ddp_samples_per_s": abs_["samples_per_s"] / ddp["samples_per_s"],
+            "abs_vs_bound": abs_["samples_per_s"] / bound["samples_per_s"],
+            "ddp_vs_bound": ddp["samples_per_s"] / bound["samples_per_s"],
+            "abs_time_to_ddp_final_loss_s": reach,
+            "abs_time_to_ddp_final_loss_ratio": reach / ddp["wall_s"] if reach is not None else None,
+            "abs_samples_per_round": sum(abs_["samples"]) / max(abs_["global_step"], 1),
+            "ddp_samples_per_step": sum(ddp["samples"]) / max(ddp["global_step"], 1),
+        })
+
+    def median(values: list[Any]) -> Any:
+        # None (a repeat that never reached DDP's loss) counts as slower than every repeat that did.
+        ordered = sorted(values, key=lambda v: math.inf if v is None else v)
+        return ordered[(len(ordered) - 1) // 2]
+
     results: dict[str, Any] = {}
     for name in CONFIGS:
-        began = time.monotonic()
-        for stale in args.workdir.glob(f"{name}.rank*.json"):
-            stale.unlink()
-        subprocess.run([sys.executable, __file__, "--run", name, "--workdir", str(args.workdir), "--steps",
-                        str(args.steps), "--batch-size", str(args.batch_size), "--speed", ",".join(map(str, args.speed)),
-                        *([] if args.target_samples is None else ["--target-samples", str(args.target_samples)]),
-                        "--adaptive" if args.adaptive else "--no-adaptive", "--lr", str(args.lr),
-                        "--momentum", str(args.momentum), "--abs-epochs", str(args.abs_epochs)], check=True, timeout=900,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
-        files = [args.workdir / f"{name}.rank{r}.json" for r in range(4)]
-        # The launcher (rank 0) may exit before the other ranks wrote (no_comm ends without a barrier).
-        deadline = time.monotonic() + 60
-        while not all(f.exists() for f in files) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        ranks = [json.loads(f.read_text()) for f in files]
-        wall = max(r["t_end"] for r in ranks) - min(r["t_start"] for r in ranks)
-        if name == "no_comm":  # each rank alone: the sum of the ranks' own speeds
-            samples_per_s = sum(r["samples"] / (r["t_end"] - r["t_start"]) for r in ranks)
-        else:
-            samples_per_s = sum(r["samples"] for r in ranks) / wall
-        curve = smoothed(ranks[0]["trace"])
-        results[name] = {
-            "wall_s": wall,
-            "samples": [r["samples"] for r in ranks],
-            "batches": [r["batches"] for r in ranks],
-            "samples_per_s": samples_per_s,
-            "final_loss": curve[-1][1] if curve else None,
-            "test_acc": ranks[0]["test_acc"],
-            "test_loss": ranks[0]["test_loss"],
-            "global_step": ranks[0]["global_step"],
-            "curve": curve,
-        }
-        logging.info("%s: done in %.0f s", name, time.monotonic() - began)
-    ddp, abs_, bound = results["ddp"], results["abs_sgd"], results["no_comm"]
-    target = ddp["final_loss"]
-    reach = next((t for t, x in abs_["curve"] if x <= target), None)
-    summary = {
-        "abs_vs_ddp_samples_per_s": abs_["samples_per_s"] / ddp["samples_per_s"],
-        "abs_vs_bound": abs_["samples_per_s"] / bound["samples_per_s"],
-        "ddp_vs_bound": ddp["samples_per_s"] / bound["samples_per_s"],
-        "abs_time_to_ddp_final_loss_s": reach,
-        "abs_time_to_ddp_final_loss_ratio": reach / ddp["wall_s"] if reach is not None else None,
-    }
-    return {"lr": args.lr, "momentum": args.momentum, "speed": args.speed, "target_samples": args.target_samples, "adaptive": args.adaptive, "abs_epochs": args.abs_epochs,
-            "steps": args.steps, "batch_size": args.batch_size, "results": results,
+        order = sorted(range(args.repeats), key=lambda i: runs[name][i]["samples_per_s"])
+        typical = runs[name][order[(args.repeats - 1) // 2]]  # the median run by throughput: its curve is plotted
+        results[name] = {**typical, **{key: median([r[key] for r in runs[name]])
+                                       for key in ("wall_s", "samples_per_s", "final_loss", "test_acc", "test_loss")},
+                         "runs": [{k: v for k, v in r.items() if k != "curve"} for r in runs[name]]}
+    summary = {key: median([rep[key] for rep in per_repeat]) for key in per_repeat[0]}
+    summary["range"] = {key: [min((rep[key] for rep in per_repeat if rep[key] is not None), default=None),
+                              max((rep[key] for rep in per_repeat if rep[key] is not None), default=None)]
+                        for key in per_repeat[0]}
+    summary["per_repeat"] = per_repeat
+    return {"lr": args.lr, "momentum": args.momentum, "speed": args.speed, "target_samples": args.target_samples,
+            "reference_samples": args.reference_samples, "adaptive": args.adaptive, "abs_epochs": args.abs_epochs,
+            "steps": args.steps, "batch_size": args.batch_size, "repeats": args.repeats, "results": results,
             "summary": summary}
 
 
@@ -219,12 +262,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=120, help="DDP steps of the epoch (dataset = steps x 4 x batch)")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds of the three fits, interleaved; medians are reported (the host is noisy)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "heterogeneity.json")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/lightning_partial_heterogeneity"))
     parser.add_argument("--speed", type=lambda v: tuple(float(x) for x in v.split(",")), default=SPEED,
                         help="per-rank speed factors (default 1,1,0.5,0.25)")
     parser.add_argument("--target-samples", type=int, default=512,
                         help="abs_sgd's target_samples (default 512: four of the fastest rank's micro-batches)")
+    parser.add_argument("--reference-samples", type=int, default=None,
+                        help="abs_sgd's reference_samples (the linear scaling rule per round; default: none, "
+                             "the paper's sample-weighted mean)")
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
                         help="abs_sgd with AdaptiveBatchSize (default: no; it costs throughput here, see the README)")
     parser.add_argument("--abs-epochs", type=int, default=3,
@@ -248,7 +296,10 @@ def main() -> int:
         print(f"{name:10} {r['samples_per_s']:10.0f} {r['samples_per_s'] / report['results']['ddp']['samples_per_s']:7.2f} "
               f"{r['samples_per_s'] / report['results']['no_comm']['samples_per_s']:8.2f} "
               f"{r['final_loss']:7.3f} {r['test_acc']:8.3f} {r['wall_s']:7.1f}")
-    print("summary:", json.dumps(report["summary"]))
+    summary = report["summary"]
+    print(f"abs_sgd, median [min-max] over {report['repeats']} repeats: "
+          + "; ".join(f"{key} {summary[key]:.3g} [{lo:.3g}-{hi:.3g}]" if summary[key] is not None and lo is not None
+                      else f"{key} {summary[key]}" for key, (lo, hi) in summary["range"].items()))
     return 0
 
 

@@ -34,6 +34,8 @@ def test_registry_names():
         ({"target_samples": 0}, "target_samples must be an integer >= 1"),
         ({"trigger": "time"}, "needs interval > 0"),
         ({"interval": 2.0}, "only meaningful with trigger='time'"),
+        ({"reference_samples": -512}, "reference_samples must be an integer >= 1"),
+        ({"reference_samples": 51.2}, "reference_samples must be an integer >= 1"),
     ],
 )
 def test_bad_configuration_fails_at_construction(kwargs, match):

@@ -134,6 +134,25 @@ def test_state_after_finish_holds_nothing(skewed):
         assert state["global_samples"] == sum(sum(c) for _, _, c in rounds_of(skewed[0]))
 
 
+def test_reference_samples_divides_every_round_by_the_reference():
+    """The linear scaling rule: every round, the final one too, returns sum of gradients / B, B = 8."""
+    config = DelayedConfig(target_samples=4, reference_samples=8, max_rounds=12, timeout=timedelta(seconds=30),
+                           name="ref")
+    records = run_threads(P, train(config, delays_ms=(2.0, 4.0, 8.0, 16.0), agree={}))
+    results = {r: (t, counts) for r, t, counts in rounds_of(records[0])}
+    assert len(results) == 13  # 12 rounds and the final one
+    expected_sum = {r: torch.zeros(3, dtype=torch.float64) for r in results}
+    for record in records:
+        for g, b, into, _ in record["deposits"]:
+            expected_sum[into] += g * b
+        assert [(r, c) for r, _, c in rounds_of(record)] == [(r, c) for r, (_, c) in results.items()]
+    for r, (tensor, _) in results.items():
+        assert torch.equal(tensor, expected_sum[r] / 8), r  # not / the round's samples
+    deposited = sum(g * b for record in records for g, b, _, _ in record["deposits"])
+    assert torch.equal(sum(t for t, _ in results.values()) * 8, deposited)  # nothing lost
+    assert len({sum(c) for _, c in results.values()}) > 1  # rounds of different sizes: the rule mattered
+
+
 def test_epochs_end_at_the_same_round_and_time_trigger():
     config = DelayedConfig(trigger="time", interval=0.01, epoch_samples=60, max_epochs=2,
                            timeout=timedelta(seconds=30), name="e")
@@ -157,6 +176,7 @@ def test_epochs_end_at_the_same_round_and_time_trigger():
         ({"target_samples": 4, "interval": 1.0}, "only meaningful with trigger='time'"),
         ({"target_samples": 4, "max_epochs": 2}, "max_epochs needs epoch_samples"),
         ({"target_samples": 4, "max_rounds": -1}, "max_rounds must be"),
+        ({"target_samples": 4, "reference_samples": 0}, "reference_samples must be an integer >= 1"),
     ],
 )
 def test_bad_configuration_fails_at_construction(kwargs, match):

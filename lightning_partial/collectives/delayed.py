@@ -10,6 +10,9 @@ the rules fixed here (**Decisions**):
   rank contributes more samples, and no rank ever waits to contribute), sums
   gradients and samples over all ranks (the samples travel in the round
   header) and returns ``sum_i G_i / sum_i b_i``: the sample-weighted mean.
+  With ``reference_samples=B`` it returns ``sum_i G_i / B`` instead: the
+  linear scaling rule applied per round, for rounds whose size the speeds
+  decide (see :class:`DelayedConfig`).
 * **What starts a round** (``trigger``). ``"samples"`` (default): a rank that
   has accumulated ``target_samples`` samples since its last contribution
   requests the next round. ``"time"``: a rank whose last contribution is
@@ -82,6 +85,13 @@ class DelayedConfig:
         target_samples: ``"samples"``: the samples a rank accumulates before it
             requests a round (the fastest rank reaches it first).
         interval: ``"time"``: seconds between a rank's contributions.
+        reference_samples: ``None`` (default): a round returns the sample-weighted
+            mean ``sum_i G_i / sum_i b_i`` (ALGORITHMS.md section 4), so a round that
+            took more samples steps no farther. ``B``: it returns ``sum_i G_i / B``,
+            the mean scaled by ``round samples / B``: the linear scaling rule
+            (Goyal et al., 2017) per round, so the progress per sample does not
+            fall as the rounds grow. ``B`` is the global batch the learning rate
+            was tuned for (under DDP: world size x batch size).
         epoch_samples: global samples of one epoch (the dataset's size); ``None``: no epochs.
         max_epochs: the round that completes this many epochs is final (needs ``epoch_samples``).
         max_rounds: the round with index ``max_rounds - 1`` is final.
@@ -92,6 +102,7 @@ class DelayedConfig:
     trigger: Trigger = "samples"
     target_samples: Optional[int] = None
     interval: Optional[float] = None
+    reference_samples: Optional[int] = None
     epoch_samples: Optional[int] = None
     max_epochs: Optional[int] = None
     max_rounds: Optional[int] = None
@@ -109,6 +120,7 @@ class DelayedConfig:
             if isinstance(self.interval, bool) or not isinstance(self.interval, (int, float)) or not self.interval > 0:
                 raise ValueError(f"trigger='time' needs interval > 0 (seconds), got {self.interval!r}")
             _positive_int("target_samples", self.target_samples)
+        _positive_int("reference_samples", self.reference_samples)
         _positive_int("epoch_samples", self.epoch_samples)
         _positive_int("max_epochs", self.max_epochs)
         _positive_int("max_rounds", self.max_rounds)
@@ -353,11 +365,17 @@ class DelayedAllreduce(PartialAllreduce):
                 round_index=int(item["round"]), activator=-1, initiator=None, synchronous=False, flush=False,
                 fresh=(), counts=counts, staleness=tuple(None for _ in counts),
                 oldest_staleness=tuple(None for _ in counts), progress=(), dropped=(),
-                contributions=sum(counts), divisor=float(max(sum(counts), 1)),
+                contributions=sum(counts), divisor=self._divisor(sum(counts)),
             )
             restored.append(RoundResult(round_index=int(item["round"]), tensors=self.layout.unflatten(flats),
                                         stats=stats, buffers=flats, layout=self.layout))
         self._restored = restored
+
+    def _divisor(self, total: int) -> float:
+        """The round's samples, or ``reference_samples`` when set (communication thread; restore)."""
+        if self.delayed.reference_samples is not None:
+            return float(self.delayed.reference_samples)
+        return super()._divisor(total)
 
     # ------------------------------------------------------ caller's thread
     def _trigger_met(self, pending: int) -> bool:

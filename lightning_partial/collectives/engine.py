@@ -633,14 +633,17 @@ class PartialAllreduce:
         """Starts the round's data collectives; returns the works to wait for and a context for :meth:`_finish_data`."""
         return [(self._start(self._data_pg, flat, r, "data"), "data") for flat in flats], None
 
+    def _divisor(self, total: int) -> float:
+        """What a round's sum is divided by, given its ``total`` contributions (``config.normalize``)."""
+        normalize = self.config.normalize
+        return float(self.world_size if normalize == "world" else max(total, 1) if normalize == "contributors" else 1)
+
     def _finish_data(
         self, r: int, flats: list[Tensor], context: Any, header: Tensor, *, global_round: bool
     ) -> tuple[list[Tensor], float, dict[str, Any]]:
         """After the collectives: the result's flat buffers, the divisor applied, extra ``RoundStats`` fields."""
         counts = header[:, _COUNT].tolist()
-        total = int(sum(counts))
-        normalize = self.config.normalize
-        divisor = float(self.world_size if normalize == "world" else max(total, 1) if normalize == "contributors" else 1)
+        divisor = self._divisor(int(sum(counts)))
         if divisor != 1.0:
             with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
                 for flat in flats:

@@ -73,6 +73,15 @@ class ABSSGDStrategy(PartialStrategy):
             requests a round; default: its micro-batch size (the fastest rank's
             every micro-batch starts a round).
         interval: ``"time"``: seconds between a rank's contributions.
+        reference_samples: ``None`` (default): each round's update is the
+            sample-weighted mean gradient (the paper's rule). An integer ``B``:
+            the mean is scaled by the round's samples over ``B`` (the update is
+            ``lr * sum_i G_i / B``), the linear scaling rule per round: set ``B``
+            to the global batch the learning rate was tuned for (under DDP,
+            ``devices x num_nodes x batch_size``). For SGD with or without momentum
+            this is the learning rate scaled per round (weight decay excepted);
+            Adam-like optimizers are invariant to it; gradient clipping sees the
+            scaled gradient.
         shuffle, seed: the elastic sampler's shuffling (as ``DistributedSampler``'s).
         timeout, process_group_backend, start_method: as for every strategy here.
     """
@@ -91,6 +100,7 @@ class ABSSGDStrategy(PartialStrategy):
         trigger: str = "samples",
         target_samples: Optional[int] = None,
         interval: Optional[float] = None,
+        reference_samples: Optional[int] = None,
         shuffle: bool = True,
         seed: int = 0,
         timeout: timedelta = timedelta(minutes=30),
@@ -111,10 +121,12 @@ class ABSSGDStrategy(PartialStrategy):
             raise ValueError(f"abs_sgd: unknown trigger {trigger!r}: expected one of {', '.join(TRIGGERS)}")
         # Validated now (a placeholder target when it defaults to the micro-batch size).
         DelayedConfig(trigger=trigger, target_samples=target_samples if target_samples is not None or trigger != "samples"
-                      else 1, interval=interval, timeout=timeout)  # type: ignore[arg-type]
+                      else 1, interval=interval, reference_samples=reference_samples,
+                      timeout=timeout)  # type: ignore[arg-type]
         self.trigger = trigger
         self.target_samples = target_samples
         self.interval = interval
+        self.reference_samples = reference_samples
         self.shuffle = shuffle
         self.seed = seed
         self.partial_config = PartialAllreduceConfig(mode="solo", normalize="contributors", timeout=timeout,
@@ -203,6 +215,7 @@ class ABSSGDStrategy(PartialStrategy):
             trigger=self.trigger,  # type: ignore[arg-type]
             target_samples=target,
             interval=self.interval,
+            reference_samples=self.reference_samples,
             epoch_samples=self._epoch_samples,
             max_epochs=max_epochs,
             max_rounds=trainer.max_steps if trainer.max_steps > 0 else None,
