@@ -73,7 +73,9 @@ Also per fit: the CPU time of every rank's process (all its threads) per
 sample, over the same interval, and the share of the machine's CPU time the
 hypervisor stole meanwhile (``/proc/stat``). With 4 ranks on 2 cores the fits
 are CPU-bound, so a strategy's throughput relative to the bound cannot exceed
-the bound's CPU per sample over the strategy's.
+the bound's CPU per sample over the strategy's. This machine is a VM whose
+host is shared: a fit during which more than ``--max-steal`` (5%) of the CPU
+was stolen runs again, up to ``--steal-retries`` (2) more times.
 
 **Baselines** (see ``benchmarks/baselines.py``): post-local SGD is Lightning's
 ``DDPStrategy`` with ``PostLocalSGDState`` / ``post_localSGD_hook`` and
@@ -986,9 +988,20 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
         # Repeats outermost: a drift in the machine's load spreads over every configuration.
         for repeat in range(args.repeats):
             for name in selected:
-                ranks = run_fit(CONFIGS[name], f"{name}.{repeat}", args, delay_ms)
-                if ranks is not None:
-                    runs[name].append(summarise_run(CONFIGS[name], ranks, args))
+                for attempt in range(args.steal_retries + 1):
+                    ranks = run_fit(CONFIGS[name], f"{name}.{repeat}.{attempt}", args, delay_ms)
+                    if ranks is None:
+                        break
+                    summary_run = summarise_run(CONFIGS[name], ranks, args)
+                    steal = summary_run["steal_fraction"]
+                    # A fit that lost much of the CPU to other tenants of the host measures the
+                    # host: run it again (the JSON keeps the stolen share of the run kept).
+                    if not steal > args.max_steal or attempt == args.steal_retries:
+                        summary_run["attempts"] = attempt + 1
+                        runs[name].append(summary_run)
+                        break
+                    log.warning("%s: the hypervisor stole %.0f%% of the CPU during the fit: running it again",
+                                name, steal * 100)
     finally:
         if cleanup is not None and not args.keep_workdir:
             cleanup.cleanup()
@@ -1015,6 +1028,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
         "environment": env,
         "settings": {
             "steps": args.steps, "batch_size": args.batch_size, "repeats": args.repeats, "seed": args.seed,
+            "max_steal": args.max_steal, "steal_retries": args.steal_retries,
             "lr": args.lr, "momentum": args.momentum, "schedule": args.schedule, "width": args.width, "depth": args.depth,
             "train_samples": TRAIN_SAMPLES, "test_samples": TEST_SAMPLES,
             "post_local_sgd": {
@@ -1065,6 +1079,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--delay-ms", type=float, default=None, help="straggler delay D (default: 2 x calibrated step)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per fit before its process group is killed")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-steal", type=float, default=0.05,
+                        help="a fit during which the host stole more than this share of the CPU is run again")
+    parser.add_argument("--steal-retries", type=int, default=2, help="at most this many times (then kept, flagged)")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.05)
