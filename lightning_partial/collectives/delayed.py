@@ -165,9 +165,9 @@ class DelayedAllreduce(PartialAllreduce):
     ) -> None:
         if not isinstance(config, DelayedConfig):
             raise ValueError(f"config must be a DelayedConfig, got {type(config).__name__}")
+        self.delayed = config  # before the base class: its hooks (_divisor) read it
         super().__init__(config.partial_config(), store=store, rank=rank, world_size=world_size, like=like,
                          backend=backend)
-        self.delayed = config
         # Guarded by self._cond, like the base class's state.
         self._requested = False  # this rank's caller wants the next round
         self._paused = False
@@ -344,10 +344,11 @@ class DelayedAllreduce(PartialAllreduce):
             unapplied = [r for r in sorted(self._results) if r > self._handed]
             state["unapplied"] = [
                 {"round": r, "flats": [f.detach().clone().cpu() for f in self.layout.data(self._results[r].buffers)],  # type: ignore[union-attr]
-                 "counts": list(self._results[r].stats.counts)}  # type: ignore[union-attr]
+                 "counts": list(self._results[r].stats.counts),  # type: ignore[union-attr]
+                 "divisor": self._results[r].stats.divisor}  # type: ignore[union-attr]
                 for r in unapplied
             ] + [{"round": x.round_index, "flats": [f.detach().clone().cpu() for f in self.layout.data(x.buffers)],
-                  "counts": list(x.stats.counts)} for x in self._restored]
+                  "counts": list(x.stats.counts), "divisor": x.stats.divisor} for x in self._restored]
             state["global_samples"] = self._global_samples
         return state
 
@@ -365,7 +366,8 @@ class DelayedAllreduce(PartialAllreduce):
                 round_index=int(item["round"]), activator=-1, initiator=None, synchronous=False, flush=False,
                 fresh=(), counts=counts, staleness=tuple(None for _ in counts),
                 oldest_staleness=tuple(None for _ in counts), progress=(), dropped=(),
-                contributions=sum(counts), divisor=self._divisor(sum(counts)),
+                # The saved result was divided when it was computed: its divisor is recorded, not recomputed.
+                contributions=sum(counts), divisor=float(item.get("divisor", self._divisor(sum(counts)))),
             )
             restored.append(RoundResult(round_index=int(item["round"]), tensors=self.layout.unflatten(flats),
                                         stats=stats, buffers=flats, layout=self.layout))

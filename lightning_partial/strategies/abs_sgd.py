@@ -78,10 +78,12 @@ class ABSSGDStrategy(PartialStrategy):
             the mean is scaled by the round's samples over ``B`` (the update is
             ``lr * sum_i G_i / B``), the linear scaling rule per round: set ``B``
             to the global batch the learning rate was tuned for (under DDP,
-            ``devices x num_nodes x batch_size``). For SGD with or without momentum
-            this is the learning rate scaled per round (weight decay excepted);
-            Adam-like optimizers are invariant to it; gradient clipping sees the
-            scaled gradient.
+            ``devices x num_nodes x batch_size``). For plain SGD this is the
+            learning rate scaled per round (weight decay excepted); with momentum
+            each round's gradient enters the buffer scaled; Adam-like optimizers
+            normalise a constant scale away, not one that varies by round.
+            Gradient clipping sees the scaled gradient. Checkpoints keep the
+            results not yet applied as they were computed.
         shuffle, seed: the elastic sampler's shuffling (as ``DistributedSampler``'s).
         timeout, process_group_backend, start_method: as for every strategy here.
     """

@@ -46,12 +46,13 @@ class EagerSGDStrategy(PartialStrategy):
             (validated here; the checks that need the world size run at set-up).
             **Decision:** ``max_staleness`` defaults to 2 here (the engine's
             default is unbounded, as the paper's solo). Unbounded, a straggler
-            falls several rounds behind and its gradients land 3-9 rounds stale;
-            under momentum 0.9 that cost solo 4 to 18 points of accuracy in
-            ``benchmarks/imbalance.py`` (one straggler in 4 per step), against
-            within 1 point with the bound, at the price of the fast ranks waiting
-            for a rank more than 2 rounds behind (0-22% of throughput in those
-            runs: 1.67x DDP against 2.13x unbounded in the worst). Majority
+            falls several rounds behind and its gradients land up to 21 rounds
+            stale; under momentum 0.9 that cost solo 5 to 9 points of accuracy in
+            ``benchmarks/imbalance.py`` (one straggler in 4 per step; 6 to 18
+            with a constant learning rate), against within 1 point there with
+            the bound, at the price of the fast ranks waiting for a rank more
+            than 2 rounds behind (0-22% of throughput in those runs: 1.67x DDP
+            against 2.13x unbounded in the worst). Majority
             rarely reaches the bound. ``max_staleness=None`` restores the paper's
             unbounded rule.
         timeout: bound on every wait of the engine and on process-group set-up.
