@@ -55,7 +55,17 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from imbalance import BatchDataset, batch_collate, build_mlp, cpu_ticks, evaluate, make_task  # noqa: E402
+from imbalance import (  # noqa: E402
+    BatchDataset,
+    add_steal_arguments,
+    batch_collate,
+    build_mlp,
+    cpu_ticks,
+    evaluate,
+    make_task,
+    retry_while_stolen,
+    steal_between,
+)
 
 SPEED = (1.0, 1.0, 0.5, 0.25)
 CONFIGS = ("ddp", "abs_sgd", "no_comm")
@@ -126,9 +136,7 @@ def run_worker(args: argparse.Namespace) -> int:
     assert lightning_partial  # registers abs_sgd
     trainer.fit(model, loader)
     t_end = time.perf_counter()
-    ticks = cpu_ticks()
-    steal = ((ticks[0] - clock.ticks[0]) / max(ticks[1] - clock.ticks[1], 1)
-             if ticks is not None and clock.ticks is not None else None)
+    steal = steal_between(clock.ticks, cpu_ticks())
     test_loss, test_acc = evaluate(model.net, task["x_test"], task["y_test"])
     record = {
         "rank": trainer.global_rank,
@@ -205,21 +213,15 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     for repeat in range(args.repeats):
         for name in CONFIGS:
             began = time.monotonic()
-            for attempt in range(args.steal_retries + 1):
-                fit = run_fit(args, name)
-                fit["attempts"] = attempt + 1
-                steal = fit["steal_fraction"]
-                if steal is None or steal <= args.max_steal or attempt == args.steal_retries:
-                    break
-                logging.warning("%s.%d: the hypervisor stole %.0f%% of the CPU during the fit: running it again",
-                                name, repeat, steal * 100)
-            runs[name].append(fit)
+            kept = retry_while_stolen(lambda attempt, name=name: run_fit(args, name), args, f"{name}.{repeat}")
+            assert kept is not None  # run_fit raises on a failed fit (check=True)
+            runs[name].append(kept)
             logging.info("%s.%d: done in %.0f s (host steal %s)", name, repeat, time.monotonic() - began,
-                         f"{runs[name][-1]['steal_fraction']:.1%}" if runs[name][-1]["steal_fraction"] is not None
-                         else "unknown")
+                         f"{kept['steal_fraction']:.1%}" if kept["steal_fraction"] is not None else "unknown")
         ddp, abs_, bound = (runs[n][-1] for n in CONFIGS)
         # DDP is deterministic (same loss every repeat); abs_sgd's time to reach it, against this repeat's DDP.
-        reach = next((t for t, x in abs_["curve"] if x <= ddp["final_loss"]), None)
+        target = ddp["final_loss"]
+        reach = next((t for t, x in abs_["curve"] if x <= target), None) if target is not None else None
         per_repeat.append({
             "abs_vs_ddp_samples_per_s": abs_["samples_per_s"] / ddp["samples_per_s"],
             "abs_vs_bound": abs_["samples_per_s"] / bound["samples_per_s"],
@@ -284,9 +286,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=120, help="DDP steps of the epoch (dataset = steps x 4 x batch)")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-steal", type=float, default=0.05,
-                        help="a fit during which the host stole more than this share of the CPU is run again")
-    parser.add_argument("--steal-retries", type=int, default=2, help="at most this many times (then kept)")
+    add_steal_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3,
                         help="rounds of the three fits, interleaved; medians are reported (the host is noisy)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "heterogeneity.json")

@@ -125,7 +125,7 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -272,6 +272,41 @@ def cpu_ticks() -> tuple[int, int] | None:
     except (OSError, ValueError):
         return None
     return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def steal_between(start: tuple[int, int] | None, end: tuple[int, int] | None) -> float | None:
+    """The share of the machine's CPU stolen between two :func:`cpu_ticks` readings (``None`` if unknown)."""
+    if not start or not end:
+        return None
+    return (end[0] - start[0]) / max(end[1] - start[1], 1)
+
+
+def add_steal_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--max-steal`` and ``--steal-retries``, read by :func:`retry_while_stolen`."""
+    parser.add_argument("--max-steal", type=float, default=0.05,
+                        help="a fit during which the host stole more than this share of the CPU is run again")
+    parser.add_argument("--steal-retries", type=int, default=2, help="at most this many times (then kept, flagged)")
+
+
+def retry_while_stolen(fit: Callable[[int], dict | None], args: argparse.Namespace, label: str) -> dict | None:
+    """``fit(attempt)`` again while the hypervisor stole more than ``args.max_steal`` of the CPU during it.
+
+    A fit that lost much of the CPU to other tenants of the host measures the
+    host. At most ``args.steal_retries`` more attempts; the last one is kept
+    whatever its steal (the JSON keeps the stolen share and ``attempts``).
+    ``fit`` returns a run with ``steal_fraction`` (``None`` or NaN: unknown,
+    kept), or ``None`` for a failed fit (not retried).
+    """
+    for attempt in range(args.steal_retries + 1):
+        run = fit(attempt)
+        if run is None:
+            return None
+        steal = run["steal_fraction"]
+        if steal is None or not steal > args.max_steal or attempt == args.steal_retries:
+            run["attempts"] = attempt + 1
+            return run
+        log.warning("%s: the hypervisor stole %.0f%% of the CPU during the fit: running it again", label, steal * 100)
+    raise AssertionError("unreachable: the last attempt is always kept")
 
 
 def parameter_digest(params: list[torch.nn.Parameter]) -> float:
@@ -572,10 +607,7 @@ def run_worker(args: argparse.Namespace) -> int:
         "samples": steps * args.batch_size,
         "wall_s": recorder.t_end - recorder.t_start,
         "cpu_s": recorder.cpu_end - recorder.cpu_start,  # type: ignore[operator]
-        "steal_fraction": (
-            (recorder.ticks_end[0] - recorder.ticks_start[0]) / max(recorder.ticks_end[1] - recorder.ticks_start[1], 1)
-            if recorder.ticks_start and recorder.ticks_end else None
-        ),
+        "steal_fraction": steal_between(recorder.ticks_start, recorder.ticks_end),
         "startup_s": recorder.t_start - t_process,
         "t_start": recorder.t_start,  # time.perf_counter: CLOCK_MONOTONIC, comparable across processes
         "t_end": recorder.t_end,
@@ -989,20 +1021,13 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
         # Repeats outermost: a drift in the machine's load spreads over every configuration.
         for repeat in range(args.repeats):
             for name in selected:
-                for attempt in range(args.steal_retries + 1):
+                def fit(attempt: int, name: str = name, repeat: int = repeat) -> dict | None:
                     ranks = run_fit(CONFIGS[name], f"{name}.{repeat}.{attempt}", args, delay_ms)
-                    if ranks is None:
-                        break
-                    summary_run = summarise_run(CONFIGS[name], ranks, args)
-                    steal = summary_run["steal_fraction"]
-                    # A fit that lost much of the CPU to other tenants of the host measures the
-                    # host: run it again (the JSON keeps the stolen share of the run kept).
-                    if not steal > args.max_steal or attempt == args.steal_retries:
-                        summary_run["attempts"] = attempt + 1
-                        runs[name].append(summary_run)
-                        break
-                    log.warning("%s: the hypervisor stole %.0f%% of the CPU during the fit: running it again",
-                                name, steal * 100)
+                    return None if ranks is None else summarise_run(CONFIGS[name], ranks, args)
+
+                kept = retry_while_stolen(fit, args, name)
+                if kept is not None:
+                    runs[name].append(kept)
     finally:
         if cleanup is not None and not args.keep_workdir:
             cleanup.cleanup()
@@ -1080,9 +1105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--delay-ms", type=float, default=None, help="straggler delay D (default: 2 x calibrated step)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per fit before its process group is killed")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-steal", type=float, default=0.05,
-                        help="a fit during which the host stole more than this share of the CPU is run again")
-    parser.add_argument("--steal-retries", type=int, default=2, help="at most this many times (then kept, flagged)")
+    add_steal_arguments(parser)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.05)

@@ -171,7 +171,8 @@ class PartialAllreduce:
         self.rank = rank
         self.world_size = world_size
         self._single = isinstance(like, Tensor)
-        self.layout = TensorLayout([like] if isinstance(like, Tensor) else list(like))
+        tensors = [like] if isinstance(like, Tensor) else list(like)
+        self.layout = TensorLayout(tensors)
         devices = {b.device for b in self.layout.buckets}
         self._cuda_device = next((d for d in devices if d.type == "cuda"), None)
         if backend is None:
@@ -192,9 +193,7 @@ class PartialAllreduce:
             and (self.layout.buckets[0].dtype.is_floating_point or _is_plain_int(self.layout.buckets[0].dtype))
         )
         if self._fused_header:
-            self.layout = TensorLayout(
-                [like] if isinstance(like, Tensor) else list(like), tail=world_size * _HEADER_WIDTH * _LIMBS
-            )
+            self.layout = TensorLayout(tensors, tail=world_size * _HEADER_WIDTH * _LIMBS)
 
         # Shared between the caller's thread and the communication thread;
         # every field below is guarded by self._cond.
