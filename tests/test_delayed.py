@@ -177,6 +177,7 @@ def test_epochs_end_at_the_same_round_and_time_trigger():
         ({"target_samples": 4, "max_epochs": 2}, "max_epochs needs epoch_samples"),
         ({"target_samples": 4, "max_rounds": -1}, "max_rounds must be"),
         ({"target_samples": 4, "reference_samples": 0}, "reference_samples must be an integer >= 1"),
+        ({"target_samples": 4, "setup_timeout": timedelta(0)}, "setup_timeout must be a positive"),
     ],
 )
 def test_bad_configuration_fails_at_construction(kwargs, match):

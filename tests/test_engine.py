@@ -33,6 +33,9 @@ MODES = [
 
 def config(**kw) -> PartialAllreduceConfig:
     kw.setdefault("timeout", timedelta(seconds=30))
+    # A short round timeout must not also bound the rendezvous: on a loaded CI host
+    # one thread reached start() 20 s after the others.
+    kw.setdefault("setup_timeout", timedelta(seconds=120))
     return PartialAllreduceConfig(**kw)
 
 
@@ -402,6 +405,67 @@ def test_missing_rank_times_out_with_rank_and_round():
     assert run_threads(P, fn, timeout=30) == ["timeout", "timeout", "absent", "timeout"]
 
 
+def test_setup_timeout_bounds_the_rendezvous_and_timeout_the_rounds():
+    """Ranks may reach start() further apart than the round timeout (within setup_timeout);
+    a round with a missing rank still fails after the round timeout, naming rank and round."""
+
+    def fn(rank, store):
+        e = PartialAllreduce(
+            config(mode="sync", timeout=timedelta(seconds=1), setup_timeout=timedelta(seconds=60)),
+            store=store, rank=rank, world_size=P, like=torch.zeros(1),
+        )
+        if rank == P - 1:
+            time.sleep(3)  # three round timeouts after the others
+        e.start()
+        try:
+            if rank == P - 1:
+                time.sleep(8)  # absent from round 0 until the others gave up
+                return "absent", 0.0
+            began = time.monotonic()
+            with pytest.raises(PartialCollectiveTimeout, match=f"rank {rank}, round 0"):
+                e.arrive(torch.ones(1))
+            return "timeout", time.monotonic() - began
+        finally:
+            e.close(timeout=2)
+
+    outcomes = run_threads(P, fn, timeout=60)
+    assert [o for o, _ in outcomes] == ["timeout"] * (P - 1) + ["absent"]
+    assert all(elapsed < 30 for _, elapsed in outcomes), outcomes  # the round's 1 s, not the 60 s set-up bound
+
+
+def test_a_rank_that_never_starts_fails_the_others_start_naming_the_rank():
+    def fn(rank, store):
+        e = PartialAllreduce(
+            config(mode="solo", setup_timeout=timedelta(seconds=2)), store=store, rank=rank, world_size=P,
+            like=torch.zeros(1),
+        )
+        if rank == P - 1:
+            return "never started"
+        with pytest.raises(PartialCollectiveTimeout, match=rf"rank {rank}\].*setup_timeout.*every rank must call start"):
+            e.start()
+        e.close()  # not started: nothing to stop
+        return "raised"
+
+    assert run_threads(P, fn, timeout=60) == ["raised"] * (P - 1) + ["never started"]
+
+
+def test_close_after_a_clean_flush_keeps_no_groups_alive():
+    """Only an engine that may have a collective in flight hands its groups to a daemon thread
+    (see PartialAllreduce._retire_groups); a flushed engine releases them at close()."""
+
+    def fn(rank, store):
+        e = PartialAllreduce(config(mode="solo", name="clean"), store=store, rank=rank,
+                             world_size=P, like=torch.zeros(2))
+        e.start()
+        for _ in range(3):
+            e.arrive(torch.ones(2))
+        e.flush()
+        e.close()
+
+    run_threads(P, fn)
+    assert not [t.name for t in threading.enumerate() if "clean" in t.name and "retired" in t.name]
+
+
 def test_flush_at_different_steps_is_an_error():
     def fn(rank, store):
         e = PartialAllreduce(
@@ -451,6 +515,8 @@ class TestBadInput:
             (dict(sync_every=0), "sync_every must be an integer >= 1"),
             (dict(timeout=timedelta(0)), "timeout must be a positive"),
             (dict(timeout=5), "timeout must be a positive"),
+            (dict(setup_timeout=timedelta(seconds=-1)), "setup_timeout must be a positive"),
+            (dict(setup_timeout=60), "setup_timeout must be a positive"),
             (dict(name="a/b"), "name must be"),
         ],
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 import time
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def cfg(**kw) -> PartialAllreduceConfig:
     kw.setdefault("timeout", timedelta(seconds=30))
+    kw.setdefault("setup_timeout", timedelta(seconds=120))  # rendezvous: see tests/test_engine.py's config()
     return PartialAllreduceConfig(normalize="sum", **kw)
 
 
@@ -259,6 +261,12 @@ def test_flush_at_different_steps_fails_before_the_data_timeout(first):
             e.close(timeout=2)
 
     outcomes = run_threads(4, fn, timeout=60)
+    # The failed rounds left collectives in flight until their 20 s timeout. The engines'
+    # groups must not be destroyed here, by the garbage collector, which would join gloo's
+    # worker threads until then (seen: the next test's start() stalled past its rendezvous).
+    began = time.monotonic()
+    gc.collect()
+    assert time.monotonic() - began < 10, "the garbage collector waited for a closed engine's collective"
     expected = range(4) if first == "flusher" else [0]
     for rank, (message, elapsed) in enumerate(outcomes):
         if rank in expected:

@@ -42,7 +42,7 @@ def sync_versus_all_reduce(rank: int, world_size: int, port: int) -> str:
 def killed_mid_run(rank: int, world_size: int, port: int, mode: str, victim: int, kill_at: int) -> str:
     """Runs rounds; the victim SIGKILLs itself at ``kill_at``; the others must raise, not hang."""
     store = client(port, world_size)
-    cfg = PartialAllreduceConfig(mode=mode, timeout=timedelta(seconds=5))
+    cfg = PartialAllreduceConfig(mode=mode, timeout=timedelta(seconds=5), setup_timeout=timedelta(seconds=120))
     engine = PartialAllreduce(cfg, store=store, rank=rank, world_size=world_size, like=torch.zeros(10_000))
     engine.start()
     try:

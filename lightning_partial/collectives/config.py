@@ -46,6 +46,12 @@ class PartialAllreduceConfig:
             A wait that exceeds it raises :class:`PartialCollectiveTimeout` naming
             the rank and the round. Keep it above the longest pause in arrivals
             (a validation loop, a checkpoint) of the job.
+        setup_timeout: bound on :meth:`PartialAllreduce.start`'s rendezvous (the
+            engine's process groups): every rank must call ``start()`` within it
+            of the others, or ``start()`` raises :class:`PartialCollectiveTimeout`
+            naming the rank. ``None`` (default): ``timeout``. Set it above
+            ``timeout`` when ranks may reach ``start()`` far apart (a slow data
+            set-up on one rank) but a stalled round must be detected quickly.
         name: prefix of the engine's store keys and process group; engines that
             share a store must have distinct names.
     """
@@ -58,6 +64,7 @@ class PartialAllreduceConfig:
     max_staleness: Optional[int] = None
     seed: int = 0
     timeout: timedelta = timedelta(minutes=30)
+    setup_timeout: Optional[timedelta] = None
     name: str = "partial"
 
     def __post_init__(self) -> None:
@@ -86,8 +93,17 @@ class PartialAllreduceConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be a positive datetime.timedelta, got {self.timeout!r}")
+        if self.setup_timeout is not None and (
+            not isinstance(self.setup_timeout, timedelta) or self.setup_timeout.total_seconds() <= 0
+        ):
+            raise ValueError(f"setup_timeout must be a positive datetime.timedelta or None, got {self.setup_timeout!r}")
         if not self.name or "/" in self.name:
             raise ValueError(f"name must be a non-empty string without '/', got {self.name!r}")
+
+    @property
+    def rendezvous_timeout(self) -> timedelta:
+        """The bound on ``start()``'s rendezvous: ``setup_timeout``, else ``timeout``."""
+        return self.timeout if self.setup_timeout is None else self.setup_timeout
 
     def validate_world(self, world_size: int) -> None:
         """Checks what depends on the number of ranks ``P``; raises ``ValueError``."""

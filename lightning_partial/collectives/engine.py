@@ -110,6 +110,12 @@ class RoundResult:
             self.layout.recycle(buffers)
 
 
+def _release_later(groups: list[Any], seconds: float) -> None:
+    """Holds ``groups`` for ``seconds``, then drops them: their destructors run on this thread."""
+    time.sleep(seconds)
+    groups.clear()
+
+
 def _is_plain_int(dtype: torch.dtype) -> bool:
     return dtype in (torch.int32, torch.int64)
 
@@ -230,7 +236,14 @@ class PartialAllreduce:
         return self._step
 
     def start(self) -> "PartialAllreduce":
-        """Creates the process groups and the communication thread. Collective: every rank calls it."""
+        """Creates the process groups and the communication thread. Collective: every rank calls it.
+
+        The groups' rendezvous is bounded by ``config.setup_timeout`` (default: ``timeout``);
+        a rank that does not call ``start()`` within it of the others makes ``start()``
+        raise :class:`PartialCollectiveTimeout` on the ranks that did. The gloo groups'
+        collectives are then bounded by ``config.timeout``. An NCCL data group creates
+        its communicator at its first collective, bounded by ``timeout``.
+        """
         if self._state != "new":
             raise RuntimeError(f"rank {self.rank}: start() called twice (state {self._state})")
         timeout = self.config.timeout
@@ -239,9 +252,7 @@ class PartialAllreduce:
             self._store, name=name, rank=self.rank, world_size=self.world_size, timeout=timeout
         )
         prefix = f"lightning_partial/{name}/pg/"
-        self._header_pg = dist.ProcessGroupGloo(
-            dist.PrefixStore(prefix + "gloo", self._store), self.rank, self.world_size, timeout
-        )
+        self._header_pg = self._gloo_group(prefix + "gloo")
         if self.backend == "nccl":  # pragma: no cover - needs GPUs
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -249,9 +260,7 @@ class PartialAllreduce:
                 dist.PrefixStore(prefix + "nccl", self._store), self.rank, self.world_size, options
             )
         else:
-            self._data_pg = dist.ProcessGroupGloo(
-                dist.PrefixStore(prefix + "gloo-data", self._store), self.rank, self.world_size, timeout
-            )
+            self._data_pg = self._gloo_group(prefix + "gloo-data")
         if self._cuda_device is not None:  # pragma: no cover - needs GPUs
             self._stream = torch.cuda.Stream(device=self._cuda_device)
         self._snapshotted = self._step - 1
@@ -262,6 +271,29 @@ class PartialAllreduce:
         )
         self._thread.start()
         return self
+
+    def _gloo_group(self, prefix: str) -> Any:
+        """A gloo group of all ranks whose rendezvous waits ``setup_timeout``, its collectives ``timeout``.
+
+        One bound for both would make a short round timeout (to detect a stalled
+        peer quickly) also the bound on how far apart the ranks may start.
+        """
+        setup = self.config.rendezvous_timeout
+        try:
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._store), self.rank, self.world_size, setup)
+        except Exception as err:
+            text = str(err).lower()
+            kind = PartialCollectiveTimeout if ("timed out" in text or "timeout" in text) else PartialCollectiveError
+            what = f"did not complete within {setup.total_seconds():g}s (setup_timeout)"
+            raise kind(
+                f"set-up of the engine's process group {prefix!r} "
+                f"{what if kind is PartialCollectiveTimeout else 'failed'}: every rank must call start() "
+                f"({type(err).__name__}: {err})",
+                rank=self.rank,
+                round_index=None,
+            ) from err
+        pg.set_timeout(self.config.timeout)  # the default bound of its collectives, as work.wait(timeout)
+        return pg
 
     def arrive(self, tensors: Tensors) -> RoundResult:
         """Contributes this step's gradient and returns the result of this step's round.
@@ -349,13 +381,42 @@ class PartialAllreduce:
                     except Exception:  # not every backend supports abort
                         pass
                 log.warning("rank %d: the communication thread did not stop within %.1fs", self.rank, timeout)
-        if self.backend == "nccl" and (thread is None or not thread.is_alive()):  # pragma: no cover - needs GPUs
+        stuck = thread is not None and thread.is_alive()
+        # A collective may still be in flight if the thread failed (its peers failed
+        # too and never complete it), is stuck, or was inside a round (not waiting
+        # for one) when close() began.
+        if self._error is not None or stuck or (previous == "running" and waiting is None):
+            self._retire_groups()
+            return
+        if self.backend == "nccl":  # pragma: no cover - needs GPUs
             # Release the engine's NCCL communicators now rather than at garbage collection
             # (torch warns about a ProcessGroupNCCL destroyed without shutdown).
             try:
                 self._data_pg.shutdown()
             except Exception as err:  # older torch, or already aborted
                 log.debug("rank %d: NCCL group shutdown: %s", self.rank, err)
+
+    def _retire_groups(self) -> None:
+        """Hands the process groups to a daemon thread that drops them once their collectives timed out.
+
+        A gloo group's destructor joins its worker threads: destroying one while a
+        collective waits for peers that failed blocks until that collective's
+        timeout, in whichever thread drops the last reference. That may be any
+        thread that runs the garbage collector: in the tests, another engine's
+        ``start()`` and rounds stalled for the 20 s timeout of a closed engine's
+        collective. ``abort()`` and ``shutdown()`` do not cancel gloo collectives
+        (torch 2.15), so the groups are held until every collective they run has
+        failed (each is bounded by ``config.timeout`` since it began, before close).
+        """
+        groups = [pg for pg in (self._header_pg, self._data_pg) if pg is not None]
+        self._header_pg = self._data_pg = None
+        if groups:
+            threading.Thread(
+                target=_release_later,
+                args=(groups, self.config.timeout.total_seconds() + 1.0),
+                name=f"lightning_partial-{self.config.name}-rank{self.rank}-retired-groups",
+                daemon=True,
+            ).start()
 
     def __enter__(self) -> "PartialAllreduce":
         return self
