@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -417,6 +418,7 @@ def test_setup_timeout_bounds_the_rendezvous_and_timeout_the_rounds():
         if rank == P - 1:
             time.sleep(3)  # three round timeouts after the others
         e.start()
+        assert e._data_pg.options._timeout == timedelta(seconds=1)  # its collectives: the round's bound
         try:
             if rank == P - 1:
                 time.sleep(8)  # absent from round 0 until the others gave up
@@ -449,21 +451,68 @@ def test_a_rank_that_never_starts_fails_the_others_start_naming_the_rank():
     assert run_threads(P, fn, timeout=60) == ["raised"] * (P - 1) + ["never started"]
 
 
-def test_close_after_a_clean_flush_keeps_no_groups_alive():
-    """Only an engine that may have a collective in flight hands its groups to a daemon thread
-    (see PartialAllreduce._retire_groups); a flushed engine releases them at close()."""
+@pytest.fixture
+def retired(monkeypatch):
+    """The ranks whose close() handed their groups to a daemon thread (PartialAllreduce._retire_groups)."""
+    ranks: list[int] = []
+    original = PartialAllreduce._retire_groups
+
+    def spy(self):
+        ranks.append(self.rank)
+        original(self)
+
+    monkeypatch.setattr(PartialAllreduce, "_retire_groups", spy)
+    return ranks
+
+
+def test_close_with_nothing_in_flight_releases_the_groups_at_once(retired):
+    """After a flush, or while the communication thread waits for a round, close() drops the
+    groups itself; only an engine that may have a collective in flight retires them."""
+    barrier = threading.Barrier(P)
 
     def fn(rank, store):
-        e = PartialAllreduce(config(mode="solo", name="clean"), store=store, rank=rank,
-                             world_size=P, like=torch.zeros(2))
-        e.start()
-        for _ in range(3):
-            e.arrive(torch.ones(2))
-        e.flush()
-        e.close()
+        engines = []
+        for name, flush in (("flushed", True), ("waiting", False)):
+            e = PartialAllreduce(config(mode="solo", name=name), store=store, rank=rank, world_size=P,
+                                 like=torch.zeros(2))
+            e.start()
+            for _ in range(3):
+                e.arrive(torch.ones(2))
+            if flush:
+                e.flush()
+            barrier.wait(timeout=30)  # no rank arrives any more: every thread waits for round 3
+            e.close()
+            engines.append(e)
+        return [(e._header_pg, e._data_pg) for e in engines]
 
-    run_threads(P, fn)
-    assert not [t.name for t in threading.enumerate() if "clean" in t.name and "retired" in t.name]
+    for groups in run_threads(P, fn):
+        assert groups == [(None, None), (None, None)]
+    assert retired == []
+
+
+def test_close_during_a_collective_retires_the_groups(retired):
+    """Rank 0 alone in a synchronous round: its thread is inside the allreduce when it closes."""
+
+    def fn(rank, store):
+        e = PartialAllreduce(config(mode="sync", timeout=timedelta(seconds=30)), store=store, rank=rank,
+                             world_size=P, like=torch.zeros(1))
+        e.start()
+        if rank == 0:
+            def arrive():
+                with contextlib.suppress(Exception):
+                    e.arrive(torch.ones(1))
+
+            caller = threading.Thread(target=arrive, daemon=True)
+            caller.start()
+            time.sleep(0.5)
+            e.close(timeout=1)  # the thread stays inside the collective: stuck
+            caller.join(timeout=10)
+        else:
+            e.close()  # waiting for its own arrival: nothing in flight
+        return e._data_pg is None
+
+    assert run_threads(P, fn, timeout=60) == [True] * P
+    assert retired == [0]
 
 
 def test_flush_at_different_steps_is_an_error():

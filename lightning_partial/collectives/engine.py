@@ -225,6 +225,10 @@ class PartialAllreduce:
         self._thread: Optional[threading.Thread] = None
         self._control: Optional[ControlPlane] = None
         self._header_pg: Any = None
+        self._group_timeout = config.timeout  # what bounds a collective of the gloo groups (see _gloo_group)
+        # Set by the communication thread from taking a round's snapshot until its result
+        # is published: collectives of that round may be in flight (see close()).
+        self._in_round = False
         self._data_pg: Any = None
         self._stream: Optional[torch.cuda.Stream] = None
         self._done_events: dict[int, torch.cuda.Event] = {}  # CUDA: result ready, per round
@@ -252,15 +256,20 @@ class PartialAllreduce:
             self._store, name=name, rank=self.rank, world_size=self.world_size, timeout=timeout
         )
         prefix = f"lightning_partial/{name}/pg/"
-        self._header_pg = self._gloo_group(prefix + "gloo")
-        if self.backend == "nccl":  # pragma: no cover - needs GPUs
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self._data_pg = dist.ProcessGroupNCCL(
-                dist.PrefixStore(prefix + "nccl", self._store), self.rank, self.world_size, options
-            )
-        else:
-            self._data_pg = self._gloo_group(prefix + "gloo-data")
+        try:
+            self._header_pg = self._gloo_group(prefix + "gloo")
+            if self.backend == "nccl":  # pragma: no cover - needs GPUs
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                self._data_pg = dist.ProcessGroupNCCL(
+                    dist.PrefixStore(prefix + "nccl", self._store), self.rank, self.world_size, options
+                )
+            else:
+                self._data_pg = self._gloo_group(prefix + "gloo-data")
+        except BaseException:
+            # No collective has run on them: dropping them here is immediate.
+            self._control = self._header_pg = self._data_pg = None
+            raise
         if self._cuda_device is not None:  # pragma: no cover - needs GPUs
             self._stream = torch.cuda.Stream(device=self._cuda_device)
         self._snapshotted = self._step - 1
@@ -292,7 +301,13 @@ class PartialAllreduce:
                 rank=self.rank,
                 round_index=None,
             ) from err
-        pg.set_timeout(self.config.timeout)  # the default bound of its collectives, as work.wait(timeout)
+        # The bound of its collectives (as work.wait(timeout)). Backend.set_timeout is
+        # torch >= 2.9; ProcessGroupGloo._set_default_timeout is older.
+        set_timeout = getattr(pg, "set_timeout", None) or getattr(pg, "_set_default_timeout", None)
+        if set_timeout is not None:
+            set_timeout(self.config.timeout)
+        else:  # pragma: no cover - old torch: its collectives keep the rendezvous bound
+            self._group_timeout = max(self._group_timeout, setup)
         return pg
 
     def arrive(self, tensors: Tensors) -> RoundResult:
@@ -383,9 +398,8 @@ class PartialAllreduce:
                 log.warning("rank %d: the communication thread did not stop within %.1fs", self.rank, timeout)
         stuck = thread is not None and thread.is_alive()
         # A collective may still be in flight if the thread failed (its peers failed
-        # too and never complete it), is stuck, or was inside a round (not waiting
-        # for one) when close() began.
-        if self._error is not None or stuck or (previous == "running" and waiting is None):
+        # too and never complete it), is stuck, or stopped inside a round.
+        if self._error is not None or stuck or self._in_round:
             self._retire_groups()
             return
         if self.backend == "nccl":  # pragma: no cover - needs GPUs
@@ -395,6 +409,8 @@ class PartialAllreduce:
                 self._data_pg.shutdown()
             except Exception as err:  # older torch, or already aborted
                 log.debug("rank %d: NCCL group shutdown: %s", self.rank, err)
+        # Nothing in flight: the groups' destructors return at once.
+        self._header_pg = self._data_pg = None
 
     def _retire_groups(self) -> None:
         """Hands the process groups to a daemon thread that drops them once their collectives timed out.
@@ -407,13 +423,20 @@ class PartialAllreduce:
         collective. ``abort()`` and ``shutdown()`` do not cancel gloo collectives
         (torch 2.15), so the groups are held until every collective they run has
         failed (each is bounded by ``config.timeout`` since it began, before close).
+        An NCCL data group is aborted instead: NCCL can cancel its work.
         """
         groups = [pg for pg in (self._header_pg, self._data_pg) if pg is not None]
+        if self.backend == "nccl" and self._data_pg is not None:  # pragma: no cover - needs GPUs
+            try:
+                self._data_pg.abort()
+            except Exception as err:  # already aborted (close() of a stuck thread)
+                log.debug("rank %d: NCCL group abort: %s", self.rank, err)
+            groups = [pg for pg in groups if pg is not self._data_pg]
         self._header_pg = self._data_pg = None
         if groups:
             threading.Thread(
                 target=_release_later,
-                args=(groups, self.config.timeout.total_seconds() + 1.0),
+                args=(groups, self._group_timeout.total_seconds() + 1.0),
                 name=f"lightning_partial-{self.config.name}-rank{self.rank}-retired-groups",
                 daemon=True,
             ).start()
@@ -617,6 +640,7 @@ class PartialAllreduce:
                     if self._closing:
                         return
                     self._waiting_round = None
+                    self._in_round = True
                     deposits, self._pending = self._pending, []
                     self._snapshotted = r
                     self._cond.notify_all()  # DelayedAllreduce.deposit waits for the snapshot
@@ -635,6 +659,7 @@ class PartialAllreduce:
                 result = self._reduce(r, row, deposits, began=began, activated=activated)
                 with self._cond:
                     self._results[r] = result
+                    self._in_round = False
                     self._cond.notify_all()
                 control.collect(r, activated_through_store=not synchronous)
                 if result.stats.flush or result.stats.stop:
