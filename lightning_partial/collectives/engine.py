@@ -116,6 +116,12 @@ def _release_later(groups: list[Any], seconds: float) -> None:
     groups.clear()
 
 
+def _error_kind(err: BaseException) -> type[PartialCollectiveError]:
+    """:class:`PartialCollectiveTimeout` if torch's ``err`` reports a timeout, else :class:`PartialCollectiveError`."""
+    text = str(err).lower()
+    return PartialCollectiveTimeout if ("timed out" in text or "timeout" in text) else PartialCollectiveError
+
+
 def _is_plain_int(dtype: torch.dtype) -> bool:
     return dtype in (torch.int32, torch.int64)
 
@@ -225,11 +231,11 @@ class PartialAllreduce:
         self._thread: Optional[threading.Thread] = None
         self._control: Optional[ControlPlane] = None
         self._header_pg: Any = None
+        self._data_pg: Any = None
         self._group_timeout = config.timeout  # what bounds a collective of the gloo groups (see _gloo_group)
         # Set by the communication thread from taking a round's snapshot until its result
         # is published: collectives of that round may be in flight (see close()).
         self._in_round = False
-        self._data_pg: Any = None
         self._stream: Optional[torch.cuda.Stream] = None
         self._done_events: dict[int, torch.cuda.Event] = {}  # CUDA: result ready, per round
 
@@ -291,8 +297,7 @@ class PartialAllreduce:
         try:
             pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self._store), self.rank, self.world_size, setup)
         except Exception as err:
-            text = str(err).lower()
-            kind = PartialCollectiveTimeout if ("timed out" in text or "timeout" in text) else PartialCollectiveError
+            kind = _error_kind(err)
             what = f"did not complete within {setup.total_seconds():g}s (setup_timeout)"
             raise kind(
                 f"set-up of the engine's process group {prefix!r} "
@@ -892,9 +897,7 @@ class PartialAllreduce:
             )
 
     def _collective_error(self, err: Exception, r: int, what: str) -> PartialCollectiveError:
-        text = str(err).lower()
-        kind = PartialCollectiveTimeout if ("timed out" in text or "timeout" in text) else PartialCollectiveError
-        return kind(
+        return _error_kind(err)(
             f"{what} allreduce failed ({type(err).__name__}: {err}); a peer rank probably died or stalled",
             rank=self.rank,
             round_index=r,
