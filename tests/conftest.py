@@ -25,3 +25,19 @@ def _no_rendezvous_leaks():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture
+def retired(monkeypatch):
+    """The ranks whose engine's close() handed its groups to a daemon thread (``_retire_groups``)."""
+    from lightning_partial.collectives import PartialAllreduce
+
+    ranks: list[int] = []
+    original = PartialAllreduce._retire_groups
+
+    def spy(self):  # type: ignore[no-untyped-def]
+        ranks.append(self.rank)
+        original(self)
+
+    monkeypatch.setattr(PartialAllreduce, "_retire_groups", spy)
+    return ranks

@@ -422,17 +422,15 @@ def test_setup_timeout_bounds_the_rendezvous_and_timeout_the_rounds():
         try:
             if rank == P - 1:
                 time.sleep(8)  # absent from round 0 until the others gave up
-                return "absent", 0.0
-            began = time.monotonic()
-            with pytest.raises(PartialCollectiveTimeout, match=f"rank {rank}, round 0"):
+                return "absent"
+            # The round's 1 s bound applies, not the 60 s set-up bound.
+            with pytest.raises(PartialCollectiveTimeout, match=rf"rank {rank}, round 0\] timed out after 1s"):
                 e.arrive(torch.ones(1))
-            return "timeout", time.monotonic() - began
+            return "timeout"
         finally:
             e.close(timeout=2)
 
-    outcomes = run_threads(P, fn, timeout=60)
-    assert [o for o, _ in outcomes] == ["timeout"] * (P - 1) + ["absent"]
-    assert all(elapsed < 30 for _, elapsed in outcomes), outcomes  # the round's 1 s, not the 60 s set-up bound
+    assert run_threads(P, fn, timeout=60) == ["timeout"] * (P - 1) + ["absent"]
 
 
 def test_a_rank_that_never_starts_fails_the_others_start_naming_the_rank():
@@ -449,20 +447,6 @@ def test_a_rank_that_never_starts_fails_the_others_start_naming_the_rank():
         return "raised"
 
     assert run_threads(P, fn, timeout=60) == ["raised"] * (P - 1) + ["never started"]
-
-
-@pytest.fixture
-def retired(monkeypatch):
-    """The ranks whose close() handed their groups to a daemon thread (PartialAllreduce._retire_groups)."""
-    ranks: list[int] = []
-    original = PartialAllreduce._retire_groups
-
-    def spy(self):
-        ranks.append(self.rank)
-        original(self)
-
-    monkeypatch.setattr(PartialAllreduce, "_retire_groups", spy)
-    return ranks
 
 
 def test_close_with_nothing_in_flight_releases_the_groups_at_once(retired):
@@ -504,7 +488,10 @@ def test_close_during_a_collective_retires_the_groups(retired):
 
             caller = threading.Thread(target=arrive, daemon=True)
             caller.start()
-            time.sleep(0.5)
+            deadline = time.monotonic() + 30
+            while not e._in_round:  # its communication thread has entered round 0's allreduce
+                assert time.monotonic() < deadline, "rank 0's thread never entered round 0"
+                time.sleep(0.01)
             e.close(timeout=1)  # the thread stays inside the collective: stuck
             caller.join(timeout=10)
         else:
