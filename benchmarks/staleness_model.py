@@ -90,8 +90,8 @@ def main() -> None:
         rows.append({"max_staleness": s, "fraction_of_bound": mean, "min": min(fractions), "max": max(fractions)})
         log.info("%13s  %.3f  [%.3f-%.3f]", "none" if s is None else s, mean, min(fractions), max(fractions))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"parameters": {k: (str(v) if isinstance(v, Path) else v)
-                                                   for k, v in vars(args).items()}, "rows": rows}, indent=2))
+    parameters = {k: v for k, v in vars(args).items() if k != "out"}  # not the local path
+    args.out.write_text(json.dumps({"parameters": parameters, "rows": rows}, indent=2))
     log.info("wrote %s", args.out)
 
 
