@@ -1,38 +1,59 @@
 """ABS-SGD against DDP under persistent heterogeneity (speed factors 1, 1, 0.5, 0.25), one invocation.
 
-Three configurations, each a 4-process CPU fit of the imbalance benchmark's task and model
-(``benchmarks/imbalance.py``: teacher-labelled 10-class data, MLP 32-512-512-512-10,
-plain SGD lr 0.15 by default: see below), each over **one epoch of the same dataset**
+Two tasks (``--model``):
+
+* ``cnn`` (default): a small convolutional network (three 3x3 convolutions of
+  32, 32 and 64 channels, the last two of stride 2, each followed by group
+  norm and ReLU, global average pooling, a linear head; 29,546 parameters, no
+  buffers) on the recipes' built-in class images
+  (``recipes.data.images.ClassImages``: 10 classes, 3x16x16, noise 1.0); plain
+  SGD lr 0.4. Like the paper's ResNet-18 it does much computation per
+  parameter: one round's allreduce carries 118 KB for 18 ms of computation per
+  128-sample micro-batch.
+* ``mlp``: the imbalance benchmark's task and model (``benchmarks/imbalance.py``:
+  teacher-labelled 10-class data, MLP 32-512-512-512-10); plain SGD lr 0.15. It
+  does about one multiply-add per parameter and sample: one round's allreduce
+  (2.2 MB, about 6.5 ms of a rank's CPU on loopback) costs more CPU than a
+  128-sample micro-batch (5.5 ms), and on 2 shared cores that CPU is taken from
+  the computation.
+
+Three configurations, each a 4-process CPU fit, each over **one epoch of the same dataset**
 (``--steps x 4 x --batch-size`` samples; ``abs_sgd`` trains ``--abs-epochs`` 3 epochs), with
 ``LoadImbalance(speed=(1, 1, 0.5, 0.25))`` (a rank with factor ``f`` sleeps so
 that its batches take ``1/f`` as long):
 
 * ``ddp``: ``--steps`` synchronous steps of ``--batch-size`` per rank;
-* ``abs_sgd``: ``ABSSGDStrategy(target_samples=512)`` (``--adaptive``: with
+* ``abs_sgd``: ``ABSSGDStrategy(target_samples=256)`` (``--target-samples``;
+  ``--abs-batch-size``: its own micro-batch; ``--adaptive``: with
   ``AdaptiveBatchSize``): an epoch ends when the ranks together have drawn the
   dataset's samples;
-* ``no_comm``: every rank trains alone on its shard (the bound: the sum of the
-  ranks' solo speeds, samples/s summed over ranks).
+* ``no_comm``: every rank trains alone on its shard. The bound: the ranks'
+  summed samples/s while all four train (:func:`concurrent_speed`; the sum of
+  each rank's speed over its own interval, the earlier definition, is
+  reported beside it).
 
 Reported: samples/s (all ranks), ratios to DDP and to the bound, rank 0's
 training loss at the end, the held-out accuracy, and the time ABS-SGD takes to
 reach DDP's final loss (rank 0's loss averaged over 10 batches, against DDP's
-last 10) as a ratio of DDP's training time. Writes ``results/heterogeneity.json``
-and a PNG beside it.
+last 10) as a ratio of DDP's training time. ``--thread-cpu`` adds each rank's
+CPU seconds by thread (training loop, communication thread, gloo's and the
+store's threads) and prints abs_sgd's CPU per round. Writes
+``results/heterogeneity.json`` and a PNG beside it.
 
 Why no momentum by default: a gradient applied one round late shrinks SGD's
 stable step size (on a quadratic of curvature ``l``: ``lr * l < 1`` instead of
 ``< 2`` without momentum; with momentum 0.9, ``< 0.1`` instead of ``< 3.8``).
-With DDP's lr 0.05 and momentum 0.9 abs_sgd's loss spikes (``--momentum 0.9
---lr 0.05`` shows it). ``--target-samples`` trades throughput (fewer
-allreduces) against progress per sample (fewer, larger updates).
+With DDP's lr 0.05 and momentum 0.9 abs_sgd's loss spikes on the mlp task
+(``--model mlp --momentum 0.9 --lr 0.05`` shows it). ``--target-samples``
+trades throughput (fewer allreduces) against progress per sample (fewer,
+larger updates): ``benchmarks/delay_progress.py`` measures the second.
 
 ``--reference-samples B`` gives abs_sgd the linear scaling rule per round
-(``ABSSGDStrategy(reference_samples=B)``). The three fits run ``--repeats`` (3)
-times, interleaved; the report holds medians, each repeat's figures and the
-host's steal time per fit, and a fit during which the host stole more than
-``--max-steal`` (5%) of the CPU runs again (a shared VM's noise moved single
-runs by up to 50%).
+(``ABSSGDStrategy(reference_samples=B)``); ``--abs-lr`` its own learning rate.
+The three fits run ``--repeats`` (3) times, interleaved; the report holds
+medians, each repeat's figures and the host's steal time per fit, and a fit
+during which the host stole more than ``--max-steal`` (5%) of the CPU runs
+again (a shared VM's noise moved single runs by up to 50%).
 
 Run: ``.venv/bin/python benchmarks/heterogeneity.py`` (about 5 minutes, on an idle machine).
 """
@@ -46,6 +67,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -70,6 +92,48 @@ from imbalance import (  # noqa: E402
 SPEED = (1.0, 1.0, 0.5, 0.25)
 CONFIGS = ("ddp", "abs_sgd", "no_comm")
 WINDOW = 10
+MODELS = ("cnn", "mlp")
+DEFAULT_LR = {"cnn": 0.4, "mlp": 0.15}
+IMAGE_SIZE, IMAGE_NOISE, IMAGE_TEST_SAMPLES = 16, 1.0, 4096
+
+
+def build_cnn(width: int = 32) -> torch.nn.Sequential:
+    """The ``cnn`` task's model: 3x3 convolutions (``width``, ``width`` stride 2, ``2 * width`` stride 2), each
+    followed by group norm (8 groups) and ReLU, global average pooling, a linear head.
+
+    Group norm, not batch norm: it has no buffers (DDP would broadcast them every step), and it is what makes
+    SGD on this network stable with a gradient applied one round late (without it the loss spiked and the
+    ReLUs died in abs_sgd's runs, and DDP's loss oscillated).
+    """
+    nn = torch.nn
+
+    def block(cin: int, cout: int, stride: int) -> list[torch.nn.Module]:
+        return [nn.Conv2d(cin, cout, 3, padding=1, stride=stride), nn.GroupNorm(8, cout), nn.ReLU()]
+
+    return nn.Sequential(*block(3, width, 1), *block(width, width, 2), *block(width, 2 * width, 2),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, 10))
+
+
+def image_task(seed: int, train_samples: int, workdir: Path) -> dict[str, torch.Tensor]:
+    """The ``cnn`` task's data (the recipes' built-in class images), made once per invocation and cached in
+    ``workdir``: generating them sample by sample takes seconds, which every rank of every fit would repeat."""
+    path = workdir / f"images.seed{seed}.n{train_samples}.pt"
+    if path.exists():
+        return torch.load(path)
+    sys.path.insert(0, str(HERE.parent))  # the recipes package, at the repository's root
+    from recipes.data.images import ClassImages
+
+    images = ClassImages(train_samples + IMAGE_TEST_SAMPLES, num_classes=10, image_size=IMAGE_SIZE,
+                         noise=IMAGE_NOISE, seed=seed)
+    pairs = [images[i] for i in range(len(images))]
+    x = torch.stack([image for image, _ in pairs])
+    y = torch.tensor([label for _, label in pairs])
+    task = {"x_train": x[:train_samples], "y_train": y[:train_samples],
+            "x_test": x[train_samples:], "y_test": y[train_samples:]}
+    tmp = path.with_suffix(".tmp")
+    torch.save(task, tmp)
+    tmp.rename(path)  # atomic: a worker never reads a partial file
+    return task
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -83,16 +147,17 @@ def run_worker(args: argparse.Namespace) -> int:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     L.seed_everything(args.seed, verbose=False)
-    task = make_task(args.seed)
     n = args.steps * 4 * args.batch_size
+    task = make_task(args.seed) if args.model == "mlp" else image_task(args.seed, n, args.workdir)
     dataset = BatchDataset(task["x_train"][:n], task["y_train"][:n])
-    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True,
+    micro_batch = args.abs_batch_size if args.run == "abs_sgd" and args.abs_batch_size is not None else args.batch_size
+    loader = torch.utils.data.DataLoader(dataset, batch_size=micro_batch, shuffle=True, drop_last=True,
                                          collate_fn=batch_collate)
 
     class Net(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = build_mlp(512, 3)
+            self.net = build_mlp(512, 3) if args.model == "mlp" else build_cnn()
             self.trace: list[tuple[float, float, int]] = []  # (time, loss, samples)
 
         def training_step(self, batch, batch_idx):
@@ -102,25 +167,37 @@ def run_worker(args: argparse.Namespace) -> int:
             return loss
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=args.lr, momentum=args.momentum)
+            lr = args.abs_lr if args.run == "abs_sgd" and args.abs_lr is not None else args.lr
+            return torch.optim.SGD(self.parameters(), lr=lr, momentum=args.momentum)
 
     class Clock(L.Callback):
         t_start = t_end = None
         ticks = None  # the machine's (steal, total) CPU ticks at the first batch
+        cpu_first: dict[int, tuple[str, float]] = {}
+        cpu_last: dict[int, tuple[str, float]] = {}
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if self.t_start is None:
                 self.t_start = time.perf_counter()
                 self.ticks = cpu_ticks()
+                if args.thread_cpu:
+                    self.cpu_first = thread_cpu()
 
-        def on_train_end(self, trainer, pl_module):
-            pass
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if args.thread_cpu:
+                # At every batch: the communication thread and gloo's threads are gone (and their
+                # CPU with them) once the fit has ended.
+                self.cpu_last = thread_cpu()
 
     clock = Clock()
     callbacks: list[Any] = [clock, LoadImbalance(speed=args.speed, log=False)]
     if args.run == "abs_sgd":
-        strategy: Any = lightning_partial.ABSSGDStrategy(target_samples=args.target_samples,
-                                                         reference_samples=args.reference_samples)
+        if args.interval is not None:  # the "time" trigger
+            strategy: Any = lightning_partial.ABSSGDStrategy(trigger="time", interval=args.interval,
+                                                             reference_samples=args.reference_samples)
+        else:
+            strategy = lightning_partial.ABSSGDStrategy(target_samples=args.target_samples,
+                                                        reference_samples=args.reference_samples)
         if args.adaptive:
             callbacks.append(AdaptiveBatchSize(window=8, log=False))
     elif args.run == "no_comm":
@@ -149,6 +226,7 @@ def run_worker(args: argparse.Namespace) -> int:
         "test_loss": test_loss,
         "test_acc": test_acc,
         "steal_fraction": steal,  # of the machine's CPU while this rank trained (/proc/stat is machine-wide)
+        "thread_cpu_s": cpu_by_role(clock.cpu_first, clock.cpu_last) if args.thread_cpu else None,
     }
     path = args.workdir / f"{args.run}.rank{trainer.global_rank}.json"
     path.with_suffix(".tmp").write_text(json.dumps(record))
@@ -163,15 +241,67 @@ def smoothed(trace: list[list[float]]) -> list[tuple[float, float]]:
     return out
 
 
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """This process's threads: native id -> (role, CPU seconds so far), from ``/proc/self/task`` (Linux).
+
+    Roles: ``main`` (the training loop), ``communication`` (the engine's thread, named ``lightning_partial-...``),
+    ``other`` (threads Python does not know: gloo's, the ``TCPStore`` server's).
+    """
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = names.get(int(task.name), "")
+        role = "main" if name == "MainThread" else "communication" if name.startswith("lightning_partial") else "other"
+        out[int(task.name)] = (role, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
+    return out
+
+
+def cpu_by_role(first: dict[int, tuple[str, float]], last: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each role's threads used between two :func:`thread_cpu` snapshots."""
+    spent = {"main": 0.0, "communication": 0.0, "other": 0.0}
+    for tid, (role, seconds) in last.items():
+        spent[role] += seconds - first.get(tid, (role, 0.0))[1]
+    return spent
+
+
+def concurrent_speed(ranks: list[dict[str, Any]]) -> float:
+    """The no-communication bound: the ranks' summed samples/s while **all of them** train.
+
+    Each rank trains the same number of batches alone, so the fast ranks finish first and the slow ones
+    then run on cores nobody else uses. On a shared host (4 ranks on 2 cores) a rank's speed over its own
+    interval therefore mixes contended and uncontended spells, and their sum is no throughput the four
+    ranks could reach together (abs_sgd exceeded it by up to 1.22x). Counted here: the batches each rank
+    started in ``[last rank's first batch, first rank's end]``, when all four were computing, as abs_sgd's
+    ranks always are.
+    """
+    t0 = max(r["t_start"] for r in ranks)
+    t1 = min(r["t_end"] for r in ranks)
+    total = 0.0
+    for r in ranks:
+        per_batch = r["samples"] / max(r["batches"], 1)
+        total += per_batch * sum(1 for t, _ in r["trace"] if t0 <= r["t_start"] + t <= t1)
+    return total / (t1 - t0)
+
+
 def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """One 4-process fit of configuration ``name``; its figures, rank 0's loss curve and the CPU stolen meanwhile."""
     for stale in args.workdir.glob(f"{name}.rank*.json"):
         stale.unlink()
-    subprocess.run([sys.executable, __file__, "--run", name, "--workdir", str(args.workdir), "--steps",
+    subprocess.run([sys.executable, __file__, "--run", name, "--model", args.model, "--workdir", str(args.workdir),
+                    "--steps",
                     str(args.steps), "--batch-size", str(args.batch_size), "--speed", ",".join(map(str, args.speed)),
                     *([] if args.target_samples is None else ["--target-samples", str(args.target_samples)]),
+                    *([] if args.interval is None else ["--interval", str(args.interval)]),
                     *([] if args.reference_samples is None else ["--reference-samples", str(args.reference_samples)]),
                     "--adaptive" if args.adaptive else "--no-adaptive", "--lr", str(args.lr),
+                    *([] if args.abs_lr is None else ["--abs-lr", str(args.abs_lr)]),
+                    *([] if args.abs_batch_size is None else ["--abs-batch-size", str(args.abs_batch_size)]),
+                    *(["--thread-cpu"] if args.thread_cpu else []),
                     "--momentum", str(args.momentum), "--abs-epochs", str(args.abs_epochs)], check=True, timeout=900,
                    env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     files = [args.workdir / f"{name}.rank{r}.json" for r in range(4)]
@@ -182,8 +312,10 @@ def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     ranks = [json.loads(f.read_text()) for f in files]
     steals = [r["steal_fraction"] for r in ranks if r.get("steal_fraction") is not None]
     wall = max(r["t_end"] for r in ranks) - min(r["t_start"] for r in ranks)
-    if name == "no_comm":  # each rank alone: the sum of the ranks' own speeds
-        samples_per_s = sum(r["samples"] / (r["t_end"] - r["t_start"]) for r in ranks)
+    # Each rank's own speed over its own interval, summed: what the bound was before (kept, reported beside it).
+    own_intervals = sum(r["samples"] / (r["t_end"] - r["t_start"]) for r in ranks)
+    if name == "no_comm":
+        samples_per_s = concurrent_speed(ranks)
     else:
         samples_per_s = sum(r["samples"] for r in ranks) / wall
     curve = smoothed(ranks[0]["trace"])
@@ -192,10 +324,12 @@ def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "samples": [r["samples"] for r in ranks],
         "batches": [r["batches"] for r in ranks],
         "samples_per_s": samples_per_s,
+        "samples_per_s_own_intervals": own_intervals if name == "no_comm" else samples_per_s,
         "final_loss": curve[-1][1] if curve else None,
         "test_acc": ranks[0]["test_acc"],
         "test_loss": ranks[0]["test_loss"],
         "global_step": ranks[0]["global_step"],
+        "thread_cpu_s": [r.get("thread_cpu_s") for r in ranks],
         "steal_fraction": max(steals) if steals else None,  # the worst rank's training interval
         "curve": curve,
     }
@@ -208,6 +342,8 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     machine's CPU is run again, at most ``--steal-retries`` times (then kept).
     """
     args.workdir.mkdir(parents=True, exist_ok=True)
+    if args.model == "cnn":
+        image_task(args.seed, args.steps * 4 * args.batch_size, args.workdir)  # once, before the fits
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGS}
     per_repeat: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
@@ -225,6 +361,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
         per_repeat.append({
             "abs_vs_ddp_samples_per_s": abs_["samples_per_s"] / ddp["samples_per_s"],
             "abs_vs_bound": abs_["samples_per_s"] / bound["samples_per_s"],
+            "abs_vs_bound_own_intervals": abs_["samples_per_s"] / bound["samples_per_s_own_intervals"],
             "ddp_vs_bound": ddp["samples_per_s"] / bound["samples_per_s"],
             "abs_time_to_ddp_final_loss_s": reach,
             "abs_time_to_ddp_final_loss_ratio": reach / ddp["wall_s"] if reach is not None else None,
@@ -245,16 +382,19 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
         # figure's own median over the repeats beside it.
         results[name] = {**runs[name][order[(args.repeats - 1) // 2]],
                          "median": {key: median([r[key] for r in runs[name]])
-                                    for key in ("wall_s", "samples_per_s", "final_loss", "test_acc", "test_loss")},
+                                    for key in ("wall_s", "samples_per_s", "samples_per_s_own_intervals", "final_loss",
+                                                "test_acc", "test_loss")},
                          "runs": [{k: v for k, v in r.items() if k != "curve"} for r in runs[name]]}
     summary = {key: median([rep[key] for rep in per_repeat]) for key in per_repeat[0]}
     summary["range"] = {key: [min((rep[key] for rep in per_repeat if rep[key] is not None), default=None),
                               max((rep[key] for rep in per_repeat if rep[key] is not None), default=None)]
                         for key in per_repeat[0]}
     summary["per_repeat"] = per_repeat
-    return {"lr": args.lr, "momentum": args.momentum, "speed": args.speed, "target_samples": args.target_samples,
-            "reference_samples": args.reference_samples, "adaptive": args.adaptive, "abs_epochs": args.abs_epochs,
-            "steps": args.steps, "batch_size": args.batch_size, "repeats": args.repeats, "results": results,
+    return {"model": args.model, "lr": args.lr, "abs_lr": args.abs_lr, "momentum": args.momentum,
+            "speed": args.speed, "target_samples": args.target_samples if args.interval is None else None,
+            "interval": args.interval, "reference_samples": args.reference_samples, "adaptive": args.adaptive,
+            "abs_epochs": args.abs_epochs, "steps": args.steps, "batch_size": args.batch_size,
+            "abs_batch_size": args.abs_batch_size, "repeats": args.repeats, "results": results,
             "summary": summary}
 
 
@@ -285,6 +425,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=120, help="DDP steps of the epoch (dataset = steps x 4 x batch)")
     parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--abs-batch-size", type=int, default=None,
+                        help="abs_sgd's micro-batch per rank (default: --batch-size); the dataset stays the same")
     parser.add_argument("--seed", type=int, default=0)
     add_steal_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3,
@@ -293,8 +435,10 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/lightning_partial_heterogeneity"))
     parser.add_argument("--speed", type=lambda v: tuple(float(x) for x in v.split(",")), default=SPEED,
                         help="per-rank speed factors (default 1,1,0.5,0.25)")
-    parser.add_argument("--target-samples", type=int, default=512,
-                        help="abs_sgd's target_samples (default 512: four of the fastest rank's micro-batches)")
+    parser.add_argument("--target-samples", type=int, default=256,
+                        help="abs_sgd's target_samples (default 256: two of the fastest rank's micro-batches)")
+    parser.add_argument("--interval", type=float, default=None,
+                        help="abs_sgd with trigger='time' and this interval in seconds (instead of --target-samples)")
     parser.add_argument("--reference-samples", type=int, default=None,
                         help="abs_sgd's reference_samples (the linear scaling rule per round; default: none, "
                              "the paper's sample-weighted mean)")
@@ -302,12 +446,23 @@ def main() -> int:
                         help="abs_sgd with AdaptiveBatchSize (default: no; it costs throughput here, see the README)")
     parser.add_argument("--abs-epochs", type=int, default=3,
                         help="epochs abs_sgd trains (ddp and no_comm: one), to see when it reaches DDP's final loss")
-    parser.add_argument("--lr", type=float, default=0.15)
+    parser.add_argument("--model", choices=MODELS, default="cnn",
+                        help="the task: cnn (default; much computation per parameter, as the paper's ResNet-18) or "
+                             "mlp (the imbalance benchmark's; an allreduce costs as much CPU as a micro-batch)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="plain SGD's learning rate (default: 0.4 for cnn, 0.15 for mlp)")
+    parser.add_argument("--abs-lr", type=float, default=None,
+                        help="abs_sgd's own learning rate (default: --lr); ddp and no_comm keep --lr")
     parser.add_argument("--momentum", type=float, default=0.0)
+    parser.add_argument("--thread-cpu", action="store_true",
+                        help="record each rank's CPU seconds by thread (training loop, communication thread, "
+                             "gloo and store threads) from /proc; reads /proc at every batch")
     parser.add_argument("--run", choices=CONFIGS, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.lr is None:
+        args.lr = DEFAULT_LR[args.model]
     if args.run is not None:
         return run_worker(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -328,6 +483,15 @@ def main() -> int:
         print(f"{name:10} {m['samples_per_s']:10.0f} {m['samples_per_s'] / medians['ddp']['samples_per_s']:7.2f} "
               f"{m['samples_per_s'] / medians['no_comm']['samples_per_s']:8.2f} "
               f"{fmt(m['final_loss'], '7.3f'):>7} {m['test_acc']:8.3f} {m['wall_s']:7.1f}")
+    abs_cpu = report["results"]["abs_sgd"].get("thread_cpu_s")
+    if abs_cpu and all(abs_cpu):
+        rounds = report["results"]["abs_sgd"]["global_step"]
+        per_round = {role: 1e3 * sum(c[role] for c in abs_cpu) / len(abs_cpu) / max(rounds, 1) for role in abs_cpu[0]}
+        print("abs_sgd CPU per rank and round (ms; run with the median throughput): "
+              + ", ".join(f"{role} {ms:.2f}" for role, ms in per_round.items()))
+    own = medians["no_comm"]["samples_per_s_own_intervals"]
+    print(f"bound over each rank's own interval (the earlier definition): {own:.0f} samples/s; "
+          f"abs_sgd {medians['abs_sgd']['samples_per_s'] / own:.2f}x it")
     summary = report["summary"]
     print(f"abs_sgd, median [min-max] over {report['repeats']} repeats: "
           + "; ".join(f"{key} {summary[key]:.3g} [{lo:.3g}-{hi:.3g}]" if summary[key] is not None and lo is not None
