@@ -8,8 +8,9 @@ for the rank that requests the round; other ranks' gradients can be older), and 
 training loss (mean of the last 10 rounds) first reaches ``--target`` (default 0.221: DDP's final loss in
 the benchmark, lr 0.4). ``B=512, delay=0`` is DDP's step.
 
-No communication and no imbalance: only the arithmetic of the update rule. Results on this machine are in
-the README (heterogeneity section).
+No communication and no imbalance: only the arithmetic of the update rule. Rounds draw their samples with
+replacement (the benchmark shuffles epochs), one seed. Results on this machine are in the README
+(heterogeneity section).
 
 Run: ``.venv/bin/python benchmarks/delay_progress.py`` (about 2 minutes on 2 cores).
 """
@@ -61,14 +62,16 @@ def main() -> int:
                         help="comma-separated BATCH:DELAY pairs (default: DDP's step, then abs_sgd-like rounds)")
     parser.add_argument("--target", type=float, default=0.221, help="the loss to reach (DDP's final loss)")
     parser.add_argument("--lr", type=float, default=DEFAULT_LR["cnn"])
-    parser.add_argument("--steps", type=int, default=120, help="the benchmark's DDP steps (dataset = steps x 512)")
+    parser.add_argument("--steps", type=int, default=120, help="the benchmark's --steps")
+    parser.add_argument("--batch-size", type=int, default=128,
+                        help="the benchmark's --batch-size (dataset = steps x 4 x batch size, as there)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/lightning_partial_heterogeneity"))
     parser.add_argument("--out", type=Path, default=HERE / "results" / "delay_progress.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args.workdir.mkdir(parents=True, exist_ok=True)
-    n = args.steps * 4 * 128
+    n = args.steps * 4 * args.batch_size
     task = image_task(args.seed, n, args.workdir)
     rows = []
     for case in args.cases.split(","):
@@ -85,7 +88,8 @@ def main() -> int:
         ratio = f"{r['samples_vs_ddp']:.2f}x DDP's samples" if r["samples_vs_ddp"] else ""
         print(f"B {r['batch']:4d} delay {r['delay']}: {r['rounds']} rounds, {r['samples']} samples {ratio}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"target": args.target, "lr": args.lr, "seed": args.seed, "cases": rows},
+    args.out.write_text(json.dumps({"target": args.target, "lr": args.lr, "seed": args.seed,
+                                    "train_samples": n, "cases": rows},
                                    indent=1))
     return 0
 

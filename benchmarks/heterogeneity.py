@@ -55,7 +55,7 @@ medians, each repeat's figures and the host's steal time per fit, and a fit
 during which the host stole more than ``--max-steal`` (5%) of the CPU runs
 again (a shared VM's noise moved single runs by up to 50%).
 
-Run: ``.venv/bin/python benchmarks/heterogeneity.py`` (about 5 minutes, on an idle machine).
+Run: ``.venv/bin/python benchmarks/heterogeneity.py`` (about 5-6 minutes, on an idle machine).
 """
 
 from __future__ import annotations
@@ -130,9 +130,9 @@ def image_task(seed: int, train_samples: int, workdir: Path) -> dict[str, torch.
     y = torch.tensor([label for _, label in pairs])
     task = {"x_train": x[:train_samples], "y_train": y[:train_samples],
             "x_test": x[train_samples:], "y_test": y[train_samples:]}
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # each process its own: several may build it at once
     torch.save(task, tmp)
-    tmp.rename(path)  # atomic: a worker never reads a partial file
+    tmp.rename(path)  # atomic: nobody reads a partial file
     return task
 
 
@@ -234,11 +234,20 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def smoothed(trace: list[list[float]]) -> list[tuple[float, float]]:
+def smoothed(trace: list[list[float]], window: int = WINDOW) -> list[tuple[float, float]]:
+    """``(time, mean of the last window losses)`` at every batch from the ``window``-th on."""
     out = []
-    for i in range(WINDOW - 1, len(trace)):
-        out.append((trace[i][0], sum(x for _, x in trace[i - WINDOW + 1 : i + 1]) / WINDOW))
+    for i in range(window - 1, len(trace)):
+        out.append((trace[i][0], sum(x for _, x in trace[i - window + 1 : i + 1]) / window))
     return out
+
+
+def loss_window(args: argparse.Namespace, name: str) -> int:
+    """Batches averaged for rank 0's loss curve: ``WINDOW`` batches of ``--batch-size`` samples, for every
+    configuration (a smaller micro-batch is averaged over more batches: a noisier curve would otherwise
+    reach a loss earlier)."""
+    micro_batch = args.abs_batch_size if name == "abs_sgd" and args.abs_batch_size is not None else args.batch_size
+    return max(1, round(WINDOW * args.batch_size / micro_batch))
 
 
 def thread_cpu() -> dict[int, tuple[str, float]]:
@@ -275,34 +284,45 @@ def concurrent_speed(ranks: list[dict[str, Any]]) -> float:
     Each rank trains the same number of batches alone, so the fast ranks finish first and the slow ones
     then run on cores nobody else uses. On a shared host (4 ranks on 2 cores) a rank's speed over its own
     interval therefore mixes contended and uncontended spells, and their sum is no throughput the four
-    ranks could reach together (abs_sgd exceeded it by up to 1.22x). Counted here: the batches each rank
-    started in ``[last rank's first batch, first rank's end]``, when all four were computing, as abs_sgd's
-    ranks always are.
+    ranks could reach together (abs_sgd exceeded it by up to 1.22x). Counted here: each rank's batches
+    whose training step ran in ``[t0, t1)``, from the last rank's first step to the first rank's last step
+    (trace times), when all four were computing, as abs_sgd's ranks always are.
     """
-    t0 = max(r["t_start"] for r in ranks)
-    t1 = min(r["t_end"] for r in ranks)
+    t0 = max(r["t_start"] + r["trace"][0][0] for r in ranks)
+    t1 = min(r["t_start"] + r["trace"][-1][0] for r in ranks)
+    if t1 <= t0:
+        raise ValueError(f"no interval in which every rank trained (from {t0:.3f} to {t1:.3f})")
     total = 0.0
     for r in ranks:
         per_batch = r["samples"] / max(r["batches"], 1)
-        total += per_batch * sum(1 for t, _ in r["trace"] if t0 <= r["t_start"] + t <= t1)
+        total += per_batch * sum(1 for t, _ in r["trace"] if t0 <= r["t_start"] + t < t1)
     return total / (t1 - t0)
+
+
+def own_interval_speed(ranks: list[dict[str, Any]]) -> float:
+    """The bound's earlier definition: each rank's samples over its own interval, summed."""
+    return sum(r["samples"] / (r["t_end"] - r["t_start"]) for r in ranks)
+
+
+def worker_command(args: argparse.Namespace, name: str) -> list[str]:
+    """The command line of configuration ``name``'s fit: every option the workers read, as the parent has it."""
+    optional = {"--target-samples": args.target_samples, "--interval": args.interval,
+                "--reference-samples": args.reference_samples, "--abs-lr": args.abs_lr,
+                "--abs-batch-size": args.abs_batch_size}
+    return [sys.executable, str(Path(__file__).resolve()), "--run", name, "--model", args.model,
+            "--workdir", str(args.workdir), "--seed", str(args.seed), "--steps", str(args.steps),
+            "--batch-size", str(args.batch_size), "--speed", ",".join(map(str, args.speed)),
+            *[item for option, value in optional.items() if value is not None for item in (option, str(value))],
+            "--adaptive" if args.adaptive else "--no-adaptive", "--lr", str(args.lr),
+            "--momentum", str(args.momentum), "--abs-epochs", str(args.abs_epochs),
+            *(["--thread-cpu"] if args.thread_cpu else [])]
 
 
 def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """One 4-process fit of configuration ``name``; its figures, rank 0's loss curve and the CPU stolen meanwhile."""
     for stale in args.workdir.glob(f"{name}.rank*.json"):
         stale.unlink()
-    subprocess.run([sys.executable, __file__, "--run", name, "--model", args.model, "--workdir", str(args.workdir),
-                    "--steps",
-                    str(args.steps), "--batch-size", str(args.batch_size), "--speed", ",".join(map(str, args.speed)),
-                    *([] if args.target_samples is None else ["--target-samples", str(args.target_samples)]),
-                    *([] if args.interval is None else ["--interval", str(args.interval)]),
-                    *([] if args.reference_samples is None else ["--reference-samples", str(args.reference_samples)]),
-                    "--adaptive" if args.adaptive else "--no-adaptive", "--lr", str(args.lr),
-                    *([] if args.abs_lr is None else ["--abs-lr", str(args.abs_lr)]),
-                    *([] if args.abs_batch_size is None else ["--abs-batch-size", str(args.abs_batch_size)]),
-                    *(["--thread-cpu"] if args.thread_cpu else []),
-                    "--momentum", str(args.momentum), "--abs-epochs", str(args.abs_epochs)], check=True, timeout=900,
+    subprocess.run(worker_command(args, name), check=True, timeout=900,
                    env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     files = [args.workdir / f"{name}.rank{r}.json" for r in range(4)]
     # The launcher (rank 0) may exit before the other ranks wrote (no_comm ends without a barrier).
@@ -313,12 +333,12 @@ def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     steals = [r["steal_fraction"] for r in ranks if r.get("steal_fraction") is not None]
     wall = max(r["t_end"] for r in ranks) - min(r["t_start"] for r in ranks)
     # Each rank's own speed over its own interval, summed: what the bound was before (kept, reported beside it).
-    own_intervals = sum(r["samples"] / (r["t_end"] - r["t_start"]) for r in ranks)
+    own_intervals = own_interval_speed(ranks)
     if name == "no_comm":
         samples_per_s = concurrent_speed(ranks)
     else:
         samples_per_s = sum(r["samples"] for r in ranks) / wall
-    curve = smoothed(ranks[0]["trace"])
+    curve = smoothed(ranks[0]["trace"], loss_window(args, name))
     return {
         "wall_s": wall,
         "samples": [r["samples"] for r in ranks],
@@ -390,7 +410,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
                               max((rep[key] for rep in per_repeat if rep[key] is not None), default=None)]
                         for key in per_repeat[0]}
     summary["per_repeat"] = per_repeat
-    return {"model": args.model, "lr": args.lr, "abs_lr": args.abs_lr, "momentum": args.momentum,
+    return {"model": args.model, "seed": args.seed, "lr": args.lr, "abs_lr": args.abs_lr, "momentum": args.momentum,
             "speed": args.speed, "target_samples": args.target_samples if args.interval is None else None,
             "interval": args.interval, "reference_samples": args.reference_samples, "adaptive": args.adaptive,
             "abs_epochs": args.abs_epochs, "steps": args.steps, "batch_size": args.batch_size,
@@ -421,7 +441,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=120, help="DDP steps of the epoch (dataset = steps x 4 x batch)")
     parser.add_argument("--batch-size", type=int, default=128)
@@ -458,6 +478,11 @@ def main() -> int:
                         help="record each rank's CPU seconds by thread (training loop, communication thread, "
                              "gloo and store threads) from /proc; reads /proc at every batch")
     parser.add_argument("--run", choices=CONFIGS, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def main() -> int:
+    parser = build_parser()
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")

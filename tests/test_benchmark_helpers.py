@@ -1,4 +1,5 @@
-"""The heterogeneity benchmark's pure helpers: the no-communication bound and the cnn task's data and model."""
+"""The heterogeneity benchmark's helpers: the no-communication bound, the workers' command line, the loss
+window, the CPU accounting, and the cnn task's data and model."""
 
 import sys
 from pathlib import Path
@@ -13,37 +14,82 @@ import heterogeneity  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 
-def _rank(t_start: float, batch_times: list[float], *, batch: int, t_end: float) -> dict:
-    return {"t_start": t_start, "t_end": t_end, "samples": batch * len(batch_times), "batches": len(batch_times),
-            "trace": [(t - t_start, 1.0) for t in batch_times]}
+def _rank(t_start: float, step_times: list[float], *, batch: int, t_end: float) -> dict:
+    return {"t_start": t_start, "t_end": t_end, "samples": batch * len(step_times), "batches": len(step_times),
+            "trace": [(t - t_start, 1.0) for t in step_times]}
 
 
 def test_the_bound_counts_only_the_window_in_which_every_rank_trains():
-    # A fast rank: 10 batches in [0, 1); a slow one: batches at 0, 0.5, 1, ..., 4.5 (it goes on alone after 1 s).
-    fast = _rank(0.0, [i / 10 for i in range(10)], batch=8, t_end=1.0)
+    # A fast rank steps at 0, 0.1, ..., 1.0; a slow one at 0, 0.5, ..., 4.5 and goes on alone after 1 s.
+    fast = _rank(0.0, [i / 10 for i in range(11)], batch=8, t_end=1.2)
     slow = _rank(0.0, [i / 2 for i in range(10)], batch=8, t_end=5.0)
-    # Window [0, 1]: the fast rank's 10 batches and the slow rank's batches at 0, 0.5 and 1.
-    assert heterogeneity.concurrent_speed([fast, slow]) == pytest.approx((10 + 3) * 8 / 1.0)
-    # Over each rank's own interval the slow rank's lone seconds would count: 80/1 + 80/5.
-    own = sum(r["samples"] / (r["t_end"] - r["t_start"]) for r in (fast, slow))
-    assert own == pytest.approx(96.0)
+    # Window [0, 1): the fast rank's 10 steps and the slow rank's steps at 0 and 0.5.
+    assert heterogeneity.concurrent_speed([fast, slow]) == pytest.approx((10 + 2) * 8 / 1.0)
+    # The earlier definition counts the slow rank's lone seconds: 88/1.2 + 80/5.
+    assert heterogeneity.own_interval_speed([fast, slow]) == pytest.approx(88 / 1.2 + 16)
 
 
-def test_the_bound_window_starts_at_the_last_rank_to_start():
-    early = _rank(0.0, [0.0, 1.0, 2.0, 3.0], batch=4, t_end=4.0)
-    late = _rank(2.0, [2.0, 3.0], batch=4, t_end=4.0)
-    # Window [2, 4]: two batches each.
-    assert heterogeneity.concurrent_speed([early, late]) == pytest.approx(4 * 4 / 2.0)
+def test_the_bound_window_starts_at_the_last_rank_to_step_and_must_exist():
+    early = _rank(0.0, [0.0, 1.0, 2.0, 3.0, 4.0], batch=4, t_end=4.5)
+    late = _rank(2.0, [2.0, 3.0, 4.0], batch=4, t_end=4.5)
+    assert heterogeneity.concurrent_speed([early, late]) == pytest.approx(4 * 4 / 2.0)  # [2, 4): two steps each
+    apart = _rank(5.0, [5.0, 6.0], batch=4, t_end=6.5)
+    with pytest.raises(ValueError, match="no interval in which every rank trained"):
+        heterogeneity.concurrent_speed([early, apart])
 
 
-def test_the_cnn_task_is_cached_deterministic_and_buffer_free(tmp_path):
+@pytest.mark.parametrize("argv", [
+    [],
+    ["--model", "mlp", "--seed", "3", "--interval", "0.03", "--abs-lr", "0.25", "--abs-batch-size", "64",
+     "--reference-samples", "512", "--adaptive", "--thread-cpu", "--momentum", "0.9", "--speed", "1,0.5"],
+])
+def test_the_workers_get_every_option_the_parent_has(argv):
+    parent = heterogeneity.build_parser().parse_args(argv)
+    parent.lr = heterogeneity.DEFAULT_LR[parent.model]  # as main() resolves it
+    command = heterogeneity.worker_command(parent, "abs_sgd")
+    assert command[1] == str(Path(heterogeneity.__file__).resolve())
+    worker = heterogeneity.build_parser().parse_args(command[2:])
+    assert worker.run == "abs_sgd"
+    for key, value in vars(parent).items():
+        if key not in ("run", "repeats", "out", "max_steal", "steal_retries"):
+            assert getattr(worker, key) == value, key
+
+
+def test_the_loss_curve_averages_the_same_samples_in_every_configuration():
+    args = heterogeneity.build_parser().parse_args(["--abs-batch-size", "64"])
+    assert heterogeneity.loss_window(args, "ddp") == heterogeneity.WINDOW
+    assert heterogeneity.loss_window(args, "abs_sgd") == 2 * heterogeneity.WINDOW
+    trace = [(float(i), float(i)) for i in range(5)]
+    assert heterogeneity.smoothed(trace, 2) == [(1.0, 0.5), (2.0, 1.5), (3.0, 2.5), (4.0, 3.5)]
+
+
+def test_cpu_by_role_sums_each_role_between_snapshots_and_counts_new_threads_whole():
+    first = {1: ("main", 1.0), 2: ("communication", 0.5)}
+    last = {1: ("main", 3.0), 2: ("communication", 0.75), 3: ("other", 0.25)}
+    assert heterogeneity.cpu_by_role(first, last) == {"main": 2.0, "communication": 0.25, "other": 0.25}
+    here = heterogeneity.thread_cpu()
+    assert any(role == "main" for role, _ in here.values()) and all(s >= 0 for _, s in here.values())
+
+
+def test_the_cnn_task_is_built_once_deterministic_and_buffer_free(tmp_path, monkeypatch):
     first = heterogeneity.image_task(3, 64, tmp_path)
-    assert len(list(tmp_path.glob("images.*.pt"))) == 1
-    again = heterogeneity.image_task(3, 64, tmp_path)  # read back from the cache
+    assert [p.name for p in tmp_path.iterdir()] == ["images.seed3.n64.pt"]  # no temporary file left
+
+    import recipes.data.images
+
+    def no_second_build(*args, **kwargs):
+        raise AssertionError("the cached task was generated again")
+
+    monkeypatch.setattr(recipes.data.images, "ClassImages", no_second_build)
+    again = heterogeneity.image_task(3, 64, tmp_path)
     assert torch.equal(first["x_train"], again["x_train"]) and torch.equal(first["y_test"], again["y_test"])
     assert first["x_train"].shape == (64, 3, heterogeneity.IMAGE_SIZE, heterogeneity.IMAGE_SIZE)
     assert len(first["x_test"]) == heterogeneity.IMAGE_TEST_SAMPLES
     assert set(first["y_train"].tolist()) <= set(range(10))
+    monkeypatch.undo()
+    (tmp_path / "elsewhere").mkdir()
+    fresh = heterogeneity.image_task(3, 64, tmp_path / "elsewhere")
+    assert torch.equal(first["x_train"], fresh["x_train"])  # generated again, the same
     net = heterogeneity.build_cnn()
     assert not list(net.buffers())  # DDP would broadcast buffers at every step
     assert net(first["x_train"][:4]).shape == (4, 10)
