@@ -35,7 +35,8 @@ log = logging.getLogger("delay_progress")
 
 def rounds_to_loss(x: torch.Tensor, y: torch.Tensor, *, batch: int, delay: int, lr: float, target: float,
                    max_samples: int, seed: int) -> int | None:
-    """Rounds of ``batch`` samples, each mean gradient applied ``delay`` rounds late, until the loss reaches ``target``."""
+    """Rounds of ``batch`` samples, each mean gradient applied ``delay`` rounds late, until the loss (mean of
+    the last 10 rounds) reaches ``target``; ``None`` if not within ``max_samples``."""
     torch.manual_seed(seed)
     net = build_cnn()
     params = list(net.parameters())
@@ -46,7 +47,7 @@ def rounds_to_loss(x: torch.Tensor, y: torch.Tensor, *, batch: int, delay: int, 
         idx = torch.randint(len(x), (batch,), generator=draw)
         loss = torch.nn.functional.cross_entropy(net(x[idx]), y[idx])
         queue.append(torch.autograd.grad(loss, params))
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if len(queue) > delay:
             with torch.no_grad():
                 for p, g in zip(params, queue.pop(0)):
