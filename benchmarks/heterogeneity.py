@@ -49,7 +49,9 @@ trades throughput (fewer allreduces) against progress per sample (fewer,
 larger updates): ``benchmarks/delay_progress.py`` measures the second.
 
 ``--reference-samples B`` gives abs_sgd the linear scaling rule per round
-(``ABSSGDStrategy(reference_samples=B)``); ``--abs-lr`` its own learning rate.
+(``ABSSGDStrategy(reference_samples=B)``); ``--abs-lr`` its own learning rate;
+``--requesters 0`` is an experiment (a patch of the engine's trigger in the
+workers, not a library option): only rank 0 requests rounds.
 The three fits run ``--repeats`` (3) times, interleaved; the report holds
 medians, each repeat's figures and the host's steal time per fit, and a fit
 during which the host stole more than ``--max-steal`` (5%) of the CPU runs
@@ -189,6 +191,14 @@ def run_worker(args: argparse.Namespace) -> int:
                 # CPU with them) once the fit has ended.
                 self.cpu_last = thread_cpu()
 
+    if args.run == "abs_sgd" and args.requesters is not None:
+        # An experiment, not a library option: only these ranks request rounds (the others still
+        # contribute to every round), so that one fast rank paces the rounds.
+        from lightning_partial.collectives.delayed import DelayedAllreduce
+
+        requesters = set(args.requesters)
+        trigger_met = DelayedAllreduce._trigger_met
+        DelayedAllreduce._trigger_met = lambda self, pending: self.rank in requesters and trigger_met(self, pending)
     clock = Clock()
     callbacks: list[Any] = [clock, LoadImbalance(speed=args.speed, log=False)]
     if args.run == "abs_sgd":
@@ -308,7 +318,8 @@ def worker_command(args: argparse.Namespace, name: str) -> list[str]:
     """The command line of configuration ``name``'s fit: every option the workers read, as the parent has it."""
     optional = {"--target-samples": args.target_samples, "--interval": args.interval,
                 "--reference-samples": args.reference_samples, "--abs-lr": args.abs_lr,
-                "--abs-batch-size": args.abs_batch_size}
+                "--abs-batch-size": args.abs_batch_size,
+                "--requesters": None if args.requesters is None else ",".join(map(str, args.requesters))}
     return [sys.executable, str(Path(__file__).resolve()), "--run", name, "--model", args.model,
             "--workdir", str(args.workdir), "--seed", str(args.seed), "--steps", str(args.steps),
             "--batch-size", str(args.batch_size), "--speed", ",".join(map(str, args.speed)),
@@ -412,7 +423,8 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     summary["per_repeat"] = per_repeat
     return {"model": args.model, "seed": args.seed, "lr": args.lr, "abs_lr": args.abs_lr, "momentum": args.momentum,
             "speed": args.speed, "target_samples": args.target_samples if args.interval is None else None,
-            "interval": args.interval, "reference_samples": args.reference_samples, "adaptive": args.adaptive,
+            "interval": args.interval, "requesters": args.requesters, "reference_samples": args.reference_samples,
+            "adaptive": args.adaptive,
             "abs_epochs": args.abs_epochs, "steps": args.steps, "batch_size": args.batch_size,
             "abs_batch_size": args.abs_batch_size, "repeats": args.repeats, "results": results,
             "summary": summary}
@@ -459,6 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="abs_sgd's target_samples (default 256: two of the fastest rank's micro-batches)")
     parser.add_argument("--interval", type=float, default=None,
                         help="abs_sgd with trigger='time' and this interval in seconds (instead of --target-samples)")
+    parser.add_argument("--requesters", type=lambda v: tuple(int(x) for x in v.split(",")), default=None,
+                        help="an experiment: only these ranks request rounds (e.g. 0); default: every rank")
     parser.add_argument("--reference-samples", type=int, default=None,
                         help="abs_sgd's reference_samples (the linear scaling rule per round; default: none, "
                              "the paper's sample-weighted mean)")
