@@ -28,7 +28,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from heterogeneity import DEFAULT_LR, build_cnn, image_task  # noqa: E402
+from heterogeneity import DEFAULT_LR, build_cnn, image_task, train_samples  # noqa: E402
 
 log = logging.getLogger("delay_progress")
 
@@ -72,7 +72,7 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args.workdir.mkdir(parents=True, exist_ok=True)
-    n = args.steps * 4 * args.batch_size
+    n = train_samples(args)
     task = image_task(args.seed, n, args.workdir)
     rows = []
     for case in args.cases.split(","):

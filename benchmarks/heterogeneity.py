@@ -149,11 +149,10 @@ def run_worker(args: argparse.Namespace) -> int:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     L.seed_everything(args.seed, verbose=False)
-    n = args.steps * 4 * args.batch_size
+    n = train_samples(args)
     task = make_task(args.seed) if args.model == "mlp" else image_task(args.seed, n, args.workdir)
     dataset = BatchDataset(task["x_train"][:n], task["y_train"][:n])
-    micro_batch = args.abs_batch_size if args.run == "abs_sgd" and args.abs_batch_size is not None else args.batch_size
-    loader = torch.utils.data.DataLoader(dataset, batch_size=micro_batch, shuffle=True, drop_last=True,
+    loader = torch.utils.data.DataLoader(dataset, batch_size=micro_batch(args, args.run), shuffle=True, drop_last=True,
                                          collate_fn=batch_collate)
 
     class Net(L.LightningModule):
@@ -252,12 +251,21 @@ def smoothed(trace: list[list[float]], window: int = WINDOW) -> list[tuple[float
     return out
 
 
+def train_samples(args: argparse.Namespace) -> int:
+    """The dataset: one epoch of DDP's ``--steps`` steps of ``--batch-size`` on each of the 4 ranks."""
+    return args.steps * 4 * args.batch_size
+
+
+def micro_batch(args: argparse.Namespace, name: str) -> int:
+    """Configuration ``name``'s batch per rank: ``--abs-batch-size`` for abs_sgd if given, else ``--batch-size``."""
+    return args.abs_batch_size if name == "abs_sgd" and args.abs_batch_size is not None else args.batch_size
+
+
 def loss_window(args: argparse.Namespace, name: str) -> int:
     """Batches averaged for rank 0's loss curve: ``WINDOW`` batches of ``--batch-size`` samples, for every
     configuration (a smaller micro-batch is averaged over more batches: a noisier curve would otherwise
     reach a loss earlier)."""
-    micro_batch = args.abs_batch_size if name == "abs_sgd" and args.abs_batch_size is not None else args.batch_size
-    return max(1, round(WINDOW * args.batch_size / micro_batch))
+    return max(1, round(WINDOW * args.batch_size / micro_batch(args, name)))
 
 
 def thread_cpu() -> dict[int, tuple[str, float]]:
@@ -343,19 +351,19 @@ def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     ranks = [json.loads(f.read_text()) for f in files]
     steals = [r["steal_fraction"] for r in ranks if r.get("steal_fraction") is not None]
     wall = max(r["t_end"] for r in ranks) - min(r["t_start"] for r in ranks)
-    # Each rank's own speed over its own interval, summed: what the bound was before (kept, reported beside it).
-    own_intervals = own_interval_speed(ranks)
     if name == "no_comm":
         samples_per_s = concurrent_speed(ranks)
+        # What the bound was before (each rank's own speed over its own interval), reported beside it.
+        own_intervals = own_interval_speed(ranks)
     else:
-        samples_per_s = sum(r["samples"] for r in ranks) / wall
+        samples_per_s = own_intervals = sum(r["samples"] for r in ranks) / wall
     curve = smoothed(ranks[0]["trace"], loss_window(args, name))
     return {
         "wall_s": wall,
         "samples": [r["samples"] for r in ranks],
         "batches": [r["batches"] for r in ranks],
         "samples_per_s": samples_per_s,
-        "samples_per_s_own_intervals": own_intervals if name == "no_comm" else samples_per_s,
+        "samples_per_s_own_intervals": own_intervals,
         "final_loss": curve[-1][1] if curve else None,
         "test_acc": ranks[0]["test_acc"],
         "test_loss": ranks[0]["test_loss"],
@@ -374,7 +382,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     """
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.model == "cnn":
-        image_task(args.seed, args.steps * 4 * args.batch_size, args.workdir)  # once, before the fits
+        image_task(args.seed, train_samples(args), args.workdir)  # once, before the fits
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGS}
     per_repeat: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
