@@ -88,18 +88,22 @@ class SaveAt(L.Callback):
 
 
 class EpochProbe(L.Callback):
-    """Counts the batches of each epoch (abs_sgd: a fast rank draws more)."""
+    """Counts the batches and samples of each epoch (abs_sgd: a fast rank draws more samples)."""
 
     def __init__(self) -> None:
         self.batches: list[int] = []
+        self.samples: list[int] = []
 
     def on_train_epoch_start(self, trainer, pl_module):
         self.batches.append(0)
+        self.samples.append(0)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if not self.batches:  # resumed mid-epoch: Lightning skips the epoch start
             self.batches.append(0)
+            self.samples.append(0)
         self.batches[-1] += 1
+        self.samples[-1] += len(batch[0] if isinstance(batch, (list, tuple)) else batch)
 
 
 class Probe(L.Callback):
@@ -239,6 +243,7 @@ def main() -> None:
     record["global_step"] = trainer.global_step
     record["lr"] = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
     record["epoch_batches"] = epochs.batches
+    record["epoch_samples"] = epochs.samples
     if adaptive is not None:
         record["adaptive"] = [[r, list(sizes)] for r, sizes in adaptive.history]
     if rotation is not None:
