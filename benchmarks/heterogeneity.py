@@ -203,10 +203,12 @@ def run_worker(args: argparse.Namespace) -> int:
     if args.run == "abs_sgd":
         if args.interval is not None:  # the "time" trigger
             strategy: Any = lightning_partial.ABSSGDStrategy(trigger="time", interval=args.interval,
-                                                             reference_samples=args.reference_samples)
+                                                             reference_samples=args.reference_samples,
+                                                             staleness_rule=args.staleness_rule)
         else:
             strategy = lightning_partial.ABSSGDStrategy(target_samples=args.target_samples,
-                                                        reference_samples=args.reference_samples)
+                                                        reference_samples=args.reference_samples,
+                                                        staleness_rule=args.staleness_rule)
         if args.adaptive:
             callbacks.append(AdaptiveBatchSize(window=8, log=False))
     elif args.run == "no_comm":
@@ -333,7 +335,8 @@ def worker_command(args: argparse.Namespace, name: str) -> list[str]:
             "--batch-size", str(args.batch_size), "--speed", ",".join(map(str, args.speed)),
             *[item for option, value in optional.items() if value is not None for item in (option, str(value))],
             "--adaptive" if args.adaptive else "--no-adaptive", "--lr", str(args.lr),
-            "--momentum", str(args.momentum), "--abs-epochs", str(args.abs_epochs),
+            "--momentum", str(args.momentum), "--staleness-rule", args.staleness_rule,
+            "--abs-epochs", str(args.abs_epochs),
             *(["--thread-cpu"] if args.thread_cpu else [])]
 
 
@@ -430,6 +433,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
                         for key in per_repeat[0]}
     summary["per_repeat"] = per_repeat
     return {"model": args.model, "seed": args.seed, "lr": args.lr, "abs_lr": args.abs_lr, "momentum": args.momentum,
+            "staleness_rule": args.staleness_rule,
             "speed": args.speed, "target_samples": args.target_samples if args.interval is None else None,
             "interval": args.interval, "requesters": args.requesters, "reference_samples": args.reference_samples,
             "adaptive": args.adaptive,
@@ -496,6 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--abs-lr", type=float, default=None,
                         help="abs_sgd's own learning rate (default: --lr); ddp and no_comm keep --lr")
     parser.add_argument("--momentum", type=float, default=0.0)
+    parser.add_argument("--staleness-rule", choices=("auto", "momentum", "inverse", "none"), default="auto",
+                        help="abs_sgd's staleness_rule (auto: spike compensation under SGD momentum)")
     parser.add_argument("--thread-cpu", action="store_true",
                         help="record each rank's CPU seconds by thread (training loop, communication thread, "
                              "gloo and store threads) from /proc; reads /proc at every batch")

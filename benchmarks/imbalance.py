@@ -182,6 +182,41 @@ CONFIGS: dict[str, Config] = {
             (("normalize", "contributors"),),
         ),
         Config("eager_sgd_s1_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=1", (("max_staleness", 1),)),
+        # The staleness rule (default "auto": "momentum" under SGD momentum or AdamW) against the paper's "none".
+        Config(
+            "eager_sgd_rule_none_imbalanced", "eager_sgd", True, "eager-SGD solo, staleness_rule=none",
+            (("staleness_rule", "none"),),
+        ),
+        Config(
+            "eager_sgd_unbounded_none_imbalanced", "eager_sgd", True,
+            "eager-SGD solo, max_staleness=None, staleness_rule=none (the paper's)",
+            (("max_staleness", None), ("staleness_rule", "none")),
+        ),
+        Config("eager_sgd_s4_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=4", (("max_staleness", 4),)),
+        Config("eager_sgd_s8_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=8", (("max_staleness", 8),)),
+        Config(
+            "eager_sgd_unbounded_inverse_imbalanced", "eager_sgd", True,
+            "eager-SGD solo, max_staleness=None, staleness_rule=inverse",
+            (("max_staleness", None), ("staleness_rule", "inverse")),
+        ),
+        Config(
+            "eager_sgd_inverse_imbalanced", "eager_sgd", True, "eager-SGD solo, staleness_rule=inverse",
+            (("staleness_rule", "inverse"),),
+        ),
+        Config(
+            "eager_sgd_s4_inverse_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=4, staleness_rule=inverse",
+            (("max_staleness", 4), ("staleness_rule", "inverse")),
+        ),
+        Config(
+            "eager_sgd_s6_inverse_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=6, staleness_rule=inverse",
+            (("max_staleness", 6), ("staleness_rule", "inverse")),
+        ),
+        # Fresh-only rounds: a late gradient is dropped (and counted), the sum divided by the contributors.
+        Config(
+            "eager_sgd_unbounded_drop_imbalanced", "eager_sgd", True,
+            "eager-SGD solo, max_staleness=None, late=drop, normalize=contributors",
+            (("max_staleness", None), ("late", "drop"), ("normalize", "contributors"), ("staleness_rule", "none")),
+        ),
         Config("wagma_sgd_imbalanced", "wagma_sgd", True, "WAGMA-SGD (S=2, tau=10)"),
         Config("ds_sync_imbalanced", "ds_sync", True, "DS-Sync (G=2, max_staleness=4)"),
         Config("no_comm_imbalanced", "no_comm", True, "no communication (bound)"),
@@ -438,10 +473,12 @@ def _lightning_parts() -> tuple[type, type]:
     class TeacherClassifier(L.LightningModule):
         """The student MLP; records its training loss per batch (CPU: ``item()`` costs no device sync)."""
 
-        def __init__(self, width: int, depth: int, lr: float, momentum: float, schedule: str, steps: int) -> None:
+        def __init__(
+            self, width: int, depth: int, lr: float, momentum: float, schedule: str, steps: int, optimizer: str = "sgd"
+        ) -> None:
             super().__init__()
             self.net = build_mlp(width, depth)
-            self.lr, self.momentum = lr, momentum
+            self.lr, self.momentum, self.optimizer_name = lr, momentum, optimizer
             self.schedule, self.steps = schedule, steps
             self.losses: list[float] = []
 
@@ -452,7 +489,13 @@ def _lightning_parts() -> tuple[type, type]:
             return loss
 
         def configure_optimizers(self) -> Any:
-            optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+            if self.optimizer_name == "adamw":
+                # beta1 = --momentum: the coefficient the staleness rule reads.
+                optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+                    self.parameters(), lr=self.lr, betas=(self.momentum, 0.999), weight_decay=0.01
+                )
+            else:
+                optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
             if self.schedule == "constant":
                 return optimizer
             # Cosine decay to 0 over the fit, stepped per optimizer step: the same on every rank
@@ -566,7 +609,7 @@ def run_worker(args: argparse.Namespace) -> int:
         drop_last=True,
         collate_fn=batch_collate,
     )
-    model = TeacherClassifier(args.width, args.depth, args.lr, args.momentum, args.schedule, args.steps)
+    model = TeacherClassifier(args.width, args.depth, args.lr, args.momentum, args.schedule, args.steps, args.optimizer)
     counter = CollectiveCounter()
     counter.install()
     recorder = StepRecorder(args.digest_steps, counter)
@@ -673,7 +716,7 @@ def run_fit(config: Config, tag: str, args: argparse.Namespace, delay_ms: float)
         "--workdir", str(args.workdir), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
         "--delay-ms", repr(delay_ms), "--seed", str(args.seed), "--width", str(args.width),
         "--depth", str(args.depth), "--lr", repr(args.lr), "--momentum", repr(args.momentum),
-        "--schedule", args.schedule,
+        "--schedule", args.schedule, "--optimizer", args.optimizer,
         "--localsgd-warmup", str(args.localsgd_warmup), "--averaging-period", str(args.averaging_period),
         "--digest-steps", str(args.digest_steps),
     ]
@@ -1055,7 +1098,8 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {
             "steps": args.steps, "batch_size": args.batch_size, "repeats": args.repeats, "seed": args.seed,
             "max_steal": args.max_steal, "steal_retries": args.steal_retries,
-            "lr": args.lr, "momentum": args.momentum, "schedule": args.schedule, "width": args.width, "depth": args.depth,
+            "lr": args.lr, "momentum": args.momentum, "schedule": args.schedule, "optimizer": args.optimizer,
+            "width": args.width, "depth": args.depth,
             "train_samples": TRAIN_SAMPLES, "test_samples": TEST_SAMPLES,
             "post_local_sgd": {
                 "start_localSGD_iter": args.localsgd_warmup, "model_averaging_period": args.averaging_period,
@@ -1109,7 +1153,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, or AdamW's beta1")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                        help="SGD with --momentum (default) or AdamW (betas (--momentum, 0.999), weight decay 0.01)")
     parser.add_argument(
         "--schedule", choices=("cosine", "constant"), default="cosine",
         help="learning rate over the fit: cosine decay to 0 per step (default) or constant",

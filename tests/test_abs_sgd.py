@@ -36,6 +36,7 @@ def test_registry_names():
         ({"interval": 2.0}, "only meaningful with trigger='time'"),
         ({"reference_samples": -512}, "reference_samples must be an integer >= 1"),
         ({"reference_samples": 51.2}, "reference_samples must be an integer >= 1"),
+        ({"staleness_rule": "delay"}, "unknown staleness_rule 'delay'"),
     ],
 )
 def test_bad_configuration_fails_at_construction(kwargs, match):
@@ -67,11 +68,12 @@ def assert_identical(out: Path) -> None:
 def test_fit_two_epochs_under_persistent_heterogeneity(tmp_path):
     """Speeds 1, 1, 0.5, 0.25: every rank ends each epoch at the same round, the fast ranks drew more
     samples, the adaptive sizes follow the speeds, a per-step LR scheduler steps per round, and the
-    replicas end bit-identical."""
+    replicas end bit-identical (SGD momentum 0.9: the default staleness rule re-times every result)."""
     out = tmp_path / "run"
     records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--adaptive", "--batchnorm",
-                      "--step-scheduler")
+                      "--step-scheduler", "--momentum", "0.9")
     assert_identical(out)
+    assert all(r["staleness_weights"] == {"rule": "momentum", "momentum": 0.9, "dampening": 0.0} for r in records)
     # An interval="step" scheduler steps per round, not per batch: the same learning rate on every rank.
     lrs = {r["lr"] for r in records}
     assert len(lrs) == 1 and lrs.pop() < 0.05, [r["lr"] for r in records]
@@ -108,13 +110,13 @@ def test_resume_from_an_epoch_end_checkpoint(tmp_path):
     assert len({r["global_step"] for r in records}) == 1
 
 
-def test_step_checkpoints_are_refused(tmp_path):
+def _tiny_fit(strategy, tmp_path: Path, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), callbacks=()):
+    """A 1-process fit in this process (for errors raised at set-up, before any batch)."""
     import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
-    trainer = L.Trainer(strategy=ABSSGDStrategy(), accelerator="cpu", devices=1, max_steps=2, logger=False,
-                        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)],
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+                        callbacks=list(callbacks), enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)
 
     class Tiny(L.LightningModule):
         def __init__(self) -> None:
@@ -126,8 +128,26 @@ def test_step_checkpoints_are_refused(tmp_path):
             return torch.nn.functional.mse_loss(self.net(x), y)
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+            return optimizer(self.parameters())
 
     data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=8))
+
+
+@pytest.mark.parametrize(
+    "optimizer, match",
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.1), "needs an optimizer with momentum"),
+        (lambda p: torch.optim.AdamW(p, lr=1e-3), "needs torch.optim.SGD with momentum"),
+    ],
+)
+def test_a_staleness_rule_the_optimizer_cannot_serve_fails_at_setup(tmp_path, optimizer, match):
+    with pytest.raises(ValueError, match=match):
+        _tiny_fit(ABSSGDStrategy(staleness_rule="momentum"), tmp_path, optimizer)
+
+
+def test_step_checkpoints_are_refused(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     with pytest.raises(ValueError, match="every_n_train_steps"):
-        trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=8))
+        _tiny_fit(ABSSGDStrategy(), tmp_path, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)])

@@ -32,7 +32,7 @@ from lightning_partial.loggers import INSTALL_HINT, wandb_logger
 
 SCRIPT = Path(__file__).parent / "scripts" / "fit.py"
 ROOT = Path(__file__).resolve().parents[1]
-METRICS = ("fresh", "staleness_mean", "staleness_max", "wait_ms", "activator", "contributions", "round")
+METRICS = ("fresh", "staleness_mean", "staleness_max", "wait_ms", "activator", "contributions", "discounted", "round")
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -377,7 +377,8 @@ def fit4(tmp_path_factory: pytest.TempPathFactory) -> Path:
         # Any attempt to reach a server would fail at once rather than reach the internet.
         WANDB_BASE_URL="http://127.0.0.1:9",
     )
-    options = f"--strategy eager_sgd --steps {STEPS} --track --spy".split()
+    # SGD momentum 0.9: the default staleness rule weighs late gradients (partial/discounted > 0).
+    options = f"--strategy eager_sgd --steps {STEPS} --track --spy --momentum 0.9".split()
     options += "--imbalance-ms 10 --stragglers 2 --imbalance-seed 11".split()
     options += ["--speed", ",".join(map(str, SPEED)), "--csv", str(out / "csv"), "--wandb", str(out / "wandb")]
     proc = subprocess.run(
@@ -426,7 +427,8 @@ def test_callbacks_and_loggers_issue_no_collective_while_batches_run(fit4: Path)
 
 def test_tracker_summary_agrees_across_ranks(fit4: Path) -> None:
     summaries = [rec["staleness"]["0"] for rec in rank_records(fit4)]
-    shared = ("rounds", "synchronous", "fresh_total", "contributions_total", "staleness_max", "activators")
+    shared = ("rounds", "synchronous", "fresh_total", "contributions_total", "staleness_max", "activators",
+              "discounted_total")
     for s in summaries[1:]:
         assert {k: s[k] for k in shared} == {k: summaries[0][k] for k in shared}  # only wait_ms is per rank
     s = summaries[0]
@@ -450,6 +452,10 @@ def test_csv_log_has_every_partial_metric_at_every_step(fit4: Path) -> None:
         assert 0 <= values["staleness_mean"] <= values["staleness_max"]
         assert -1 <= values["activator"] <= 3 and values["activator"] == int(values["activator"])
         assert values["wait_ms"] >= 0
+        # The default rule ("inverse" under momentum) withholds tau / (1 + tau) of each late gradient,
+        # nothing of a fresh one.
+        assert 0 <= values["discounted"] <= values["contributions"]
+        assert (values["discounted"] > 0) == (values["staleness_max"] > 0)
         assert r["imbalance/delay_ms"] != ""
 
 

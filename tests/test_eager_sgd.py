@@ -41,6 +41,7 @@ def test_registry_names_resolve_to_the_right_mode_and_launcher():
         (dict(mode="quorum"), "needs quorum"),
         (dict(max_staleness=-2), "max_staleness"),
         (dict(start_method="fork"), "start_method"),
+        (dict(staleness_rule="gap"), "unknown staleness_rule 'gap'"),
     ],
 )
 def test_bad_configuration_fails_at_construction(kw, match):
@@ -141,3 +142,60 @@ def test_killed_rank_ends_the_fit_with_a_clear_error(tmp_path):
     assert ("[partial allreduce, rank" in stderr and "round" in stderr) or "terminated with code -9" in stderr, (
         stderr[-3000:]
     )
+
+
+@pytest.mark.timeout(300)
+def test_staleness_rule_under_momentum_keeps_replicas_identical_and_counts_what_it_withholds(tmp_path):
+    """SGD momentum 0.9, unbounded staleness, one straggler per step: the default rule ("auto") resolves to
+    "inverse", late gradients are weighted (their withheld share counted in the tracker's summary, the same
+    on every rank) and the replicas end bit-identical."""
+    import json
+
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        fit_command(out, "--strategy", "eager_sgd", "--strategy-kw", '{"max_staleness": null}', "--momentum", "0.9",
+                    "--straggle-ms", "25", "--steps", "30", "--track"),
+        env=FIT_ENV, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    states = [torch.load(out / f"rank{r}.pt") for r in range(4)]
+    for other in states[1:]:
+        for key, value in states[0].items():
+            assert torch.equal(value, other[key]), key
+    records = [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
+    assert all(r["staleness_weights"] == {"rule": "inverse", "momentum": 0.0, "dampening": 0.0} for r in records)
+    summaries = [r["staleness"]["0"] for r in records]
+    assert summaries[0]["staleness_max"] > 0, "no gradient was late: the test proves nothing"
+    assert summaries[0]["discounted_total"] > 0
+    assert len({s["discounted_total"] for s in summaries}) == 1
+
+
+def test_a_momentum_rule_without_momentum_fails_at_setup(tmp_path):
+    from tests.test_abs_sgd import _tiny_fit
+
+    with pytest.raises(ValueError, match="staleness_rule='momentum' needs an optimizer with momentum"):
+        _tiny_fit(EagerSGDStrategy(staleness_rule="momentum"), tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_globally_unused_parameters_stay_untouched_as_under_ddp(tmp_path):
+    """SGD momentum 0.9 and weight decay: a layer no rank uses keeps its initial weights (its grad stays None,
+    so neither decay nor momentum moves it), a layer only rank 0 uses on some batches is trained, and the
+    replicas end bit-identical; the same holds for DDP."""
+    import json
+
+    for strategy in ("eager_sgd", "ddp_find_unused_parameters_true"):
+        out = tmp_path / strategy
+        proc = subprocess.run(
+            fit_command(out, "--strategy", strategy, "--unused", "--momentum", "0.9", "--weight-decay", "0.01",
+                        "--straggle-ms", "10", "--steps", "12"),
+            env=FIT_ENV, capture_output=True, text=True, timeout=240,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        states = [torch.load(out / f"rank{r}.pt") for r in range(4)]
+        for other in states[1:]:
+            for key, value in states[0].items():
+                assert torch.equal(value, other[key]), (strategy, key)
+        changed = json.loads((out / "callbacks0.json").read_text())["changed"]
+        assert not any(k.startswith("unused.") for k in changed), (strategy, changed)
+        assert {"rank0_only.weight", "rank0_only.bias", "net.0.weight"} <= set(changed), (strategy, changed)

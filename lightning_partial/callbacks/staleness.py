@@ -10,7 +10,8 @@ Contract:
   end (so a batch that only accumulated gradients logs nothing twice):
   ``partial/fresh``, ``partial/staleness_mean``, ``partial/staleness_max``,
   ``partial/wait_ms``, ``partial/activator``, ``partial/contributions``,
-  ``partial/round``; with suffix ``_<i>`` for optimizer index ``i > 0``.
+  ``partial/discounted`` (the gradients' worth the staleness rule withheld
+  from the round, over all ranks), ``partial/round``; with suffix ``_<i>`` for optimizer index ``i > 0``.
   Through ``pl_module.log(on_step=True, on_epoch=False, sync_dist=False)``,
   so any Lightning logger (CSV, TensorBoard, W&B) receives them (loggers
   write rank 0's view; only ``wait_ms`` differs between ranks); no collective.
@@ -40,7 +41,7 @@ from lightning_partial.collectives import RoundStats
 
 log = logging.getLogger(__name__)
 
-METRICS = ("fresh", "staleness_mean", "staleness_max", "wait_ms", "activator", "contributions", "round")
+METRICS = ("fresh", "staleness_mean", "staleness_max", "wait_ms", "activator", "contributions", "discounted", "round")
 
 
 def round_metrics(stats: RoundStats) -> dict[str, float]:
@@ -52,6 +53,7 @@ def round_metrics(stats: RoundStats) -> dict[str, float]:
         "wait_ms": stats.wait_time * 1e3,
         "activator": float(stats.activator),
         "contributions": float(stats.contributions),
+        "discounted": stats.discounted_total,
         "round": float(stats.round_index),
     }
 
@@ -69,6 +71,7 @@ class StalenessSummary:
         rounds: rounds seen (including a final flush, if the fit reached it).
         synchronous: how many of them were synchronous.
         fresh_total, contributions_total: sums of ``len(fresh)`` and ``contributions``.
+        discounted_total: the gradients' worth withheld by the staleness rule, summed over rounds.
         staleness_max: the largest staleness of any contribution seen.
         staleness_mean_total: sum of the rounds' mean staleness (see :attr:`staleness_mean`).
         wait_ms_total: this rank's time blocked in the engine, in milliseconds.
@@ -80,6 +83,7 @@ class StalenessSummary:
     synchronous: int = 0
     fresh_total: int = 0
     contributions_total: int = 0
+    discounted_total: float = 0.0
     staleness_max: int = 0
     staleness_mean_total: float = 0.0
     wait_ms_total: float = 0.0
@@ -92,6 +96,7 @@ class StalenessSummary:
         self.synchronous += int(stats.synchronous)
         self.fresh_total += len(stats.fresh)
         self.contributions_total += stats.contributions
+        self.discounted_total += stats.discounted_total
         self.staleness_max = max(self.staleness_max, stats.max_staleness)
         self.staleness_mean_total += stats.mean_staleness
         self.wait_ms_total += stats.wait_time * 1e3
@@ -121,6 +126,7 @@ class StalenessSummary:
             "fresh_total": self.fresh_total,
             "fresh_mean": self.fresh_mean,
             "contributions_total": self.contributions_total,
+            "discounted_total": self.discounted_total,
             "staleness_max": self.staleness_max,
             "staleness_mean": self.staleness_mean,
             "wait_ms_total": self.wait_ms_total,

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal, Optional
 
+from lightning_partial.collectives.staleness import StalenessWeights
+
 Mode = Literal["solo", "majority", "quorum", "sync"]
 LatePolicy = Literal["carry", "drop"]
 Normalize = Literal["world", "contributors", "sum"]
@@ -41,6 +43,12 @@ class PartialAllreduceConfig:
             has arrived at step ``r - s``. Hence every gradient is applied at most
             ``s`` rounds after the step that computed it, and no rank arrives more
             than ``s`` steps ahead of the slowest rank. ``0`` is fully synchronous.
+        staleness: how much of a carried gradient enters the round, by its
+            staleness (:class:`~lightning_partial.collectives.staleness.StalenessWeights`):
+            each rank scales each gradient it contributes by ``weight(r - step)``
+            before the round's sum, and counts the rest in
+            ``RoundStats.discounted``. Default: weight 1 (the paper's rule).
+            ``normalize="contributors"`` still counts a discounted gradient as one.
         seed: seed of the initiator RNG (``"majority"``); must match on all ranks.
         timeout: bound on every blocking wait (activation, collective, result).
             A wait that exceeds it raises :class:`PartialCollectiveTimeout` naming
@@ -62,6 +70,7 @@ class PartialAllreduceConfig:
     normalize: Normalize = "world"
     sync_every: Optional[int] = None
     max_staleness: Optional[int] = None
+    staleness: StalenessWeights = StalenessWeights()
     seed: int = 0
     timeout: timedelta = timedelta(minutes=30)
     setup_timeout: Optional[timedelta] = None
@@ -89,6 +98,8 @@ class PartialAllreduceConfig:
             isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0
         ):
             raise ValueError(f"max_staleness must be an integer >= 0 or None, got {self.max_staleness!r}")
+        if not isinstance(self.staleness, StalenessWeights):
+            raise ValueError(f"staleness must be a StalenessWeights, got {type(self.staleness).__name__}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:

@@ -57,8 +57,11 @@ log = logging.getLogger(__name__)
 Tensors = Union[Tensor, Sequence[Tensor]]
 
 # Columns of the per-rank header row.
-_COUNT, _NEWEST, _OLDEST, _ACTIVATED, _FLUSH, _PROGRESS, _DROPPED, _STOP = range(8)
-_HEADER_WIDTH = 8
+_COUNT, _NEWEST, _OLDEST, _ACTIVATED, _FLUSH, _PROGRESS, _DROPPED, _STOP, _DISCOUNT = range(9)
+_HEADER_WIDTH = 9
+# _DISCOUNT holds the gradients' worth that staleness weights withheld, in fixed point:
+# 2**-24 resolves every weight mu**tau of a dyadic mu exactly for tau <= 24.
+_DISCOUNT_SCALE = 1 << 24
 # A header fused into the data travels as 8-bit limbs of its int64 values, one
 # element each: integers up to 255 are exact in every floating dtype a gradient
 # has (bfloat16 included), and each rank writes only its own row, so the sum
@@ -75,6 +78,7 @@ class _Deposit:
     flats: list[Tensor]
     step: int
     ready: Optional[torch.cuda.Event] = None  # recorded on the producer's stream
+    weight: float = 1.0  # set at the round's snapshot: config.staleness.weight(round - step)
     samples: int = 0  # DelayedAllreduce: samples summed into ``flats``
     first_step: Optional[int] = None  # DelayedAllreduce: round index of the oldest micro-batch in it
 
@@ -660,6 +664,7 @@ class PartialAllreduce:
                     row[self.rank, _PROGRESS] = self._step
                     row[self.rank, _DROPPED] = self._dropped
                     row[self.rank, _STOP] = int(self._stop_requested)
+                    row[self.rank, _DISCOUNT] = round(self._weigh(r, deposits) * _DISCOUNT_SCALE)
                     self._dropped = 0
                 result = self._reduce(r, row, deposits, began=began, activated=activated)
                 with self._cond:
@@ -708,6 +713,20 @@ class PartialAllreduce:
 
     def _after_round(self, r: int, result: RoundResult) -> None:
         """Communication thread, after round ``r`` was published (not after a flush or stop round)."""
+
+    def _weigh(self, r: int, deposits: list[_Deposit]) -> float:
+        """Sets each deposit's staleness weight for round ``r``; returns the gradients' worth withheld.
+
+        Under ``self._cond``, at the snapshot; :meth:`_sum_deposits` applies the weights.
+        """
+        weights = self.config.staleness
+        if not weights.active:
+            return 0.0
+        withheld = 0.0
+        for d in deposits:
+            d.weight = weights.weight(r - d.step)
+            withheld += 1.0 - d.weight
+        return withheld
 
     def _describe_contribution(self, deposits: list[_Deposit]) -> tuple[int, int, int]:
         """Header columns of this rank's contribution: (count, newest step, oldest step); steps -1 if none."""
@@ -803,6 +822,7 @@ class PartialAllreduce:
             oldest_staleness=tuple(r - (o - 1) if c else None for c, o in zip(counts, oldest)),
             progress=tuple(int(p) for p in header[:, _PROGRESS].tolist()),
             dropped=tuple(int(d) for d in header[:, _DROPPED].tolist()),
+            discounted=tuple(int(d) / _DISCOUNT_SCALE for d in header[:, _DISCOUNT].tolist()),
             stop=bool(header[:, _STOP].any()),
             contributions=total,
             divisor=divisor,
@@ -836,14 +856,17 @@ class PartialAllreduce:
         return (limbs << _LIMB_SHIFTS).sum(dim=-1)
 
     def _sum_deposits(self, deposits: list[_Deposit]) -> list[Tensor]:
-        """The send buffer of a round: the sum of the deposits, or zeros (side stream on CUDA)."""
+        """The send buffer of a round: the deposits' sum, each scaled by its weight, or zeros (side stream on CUDA)."""
         if self._stream is None:
             if not deposits:
                 return self.layout.zeros()
             flats = deposits[0].flats
+            if deposits[0].weight != 1.0:
+                for f in flats:
+                    f.mul_(deposits[0].weight)
             for d in deposits[1:]:
                 for acc, f in zip(flats, d.flats):
-                    acc.add_(f)
+                    acc.add_(f, alpha=d.weight)
                 self.layout.recycle(d.flats)
             return flats
         with torch.cuda.stream(self._stream):  # pragma: no cover - needs GPUs
@@ -856,9 +879,12 @@ class PartialAllreduce:
                 for f in d.flats:
                     f.record_stream(self._stream)
             flats = [f.clone() for f in deposits[0].flats]
+            if deposits[0].weight != 1.0:
+                for f in flats:
+                    f.mul_(deposits[0].weight)
             for d in deposits[1:]:
                 for acc, f in zip(flats, d.flats):
-                    acc.add_(f)
+                    acc.add_(f, alpha=d.weight)
             return flats
 
     def _start(self, pg: Any, tensor: Tensor, r: int, what: str) -> Any:

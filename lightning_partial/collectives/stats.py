@@ -30,6 +30,10 @@ class RoundStats:
         progress: per rank, how many arrivals it had made when the round was
             snapshotted (its steps done, from its own point of view).
         dropped: gradients dropped by ``late="drop"`` since the previous round, per rank.
+        discounted: per rank, the gradients' worth that the staleness weights
+            (``PartialAllreduceConfig.staleness``) withheld from this round:
+            ``sum(1 - weight)`` over its contributions (0.0 each under rule ``"none"``;
+            empty where the engine does not weigh).
         contributions: total gradients summed in the round.
         divisor: what the sum was divided by (1 for ``normalize="sum"``).
         wait_time: seconds this rank's caller was blocked in ``arrive``/``flush``.
@@ -62,6 +66,7 @@ class RoundStats:
     oldest_staleness: tuple[Optional[int], ...]
     progress: tuple[int, ...]
     dropped: tuple[int, ...]
+    discounted: tuple[float, ...] = ()
     contributions: int
     divisor: float
     wait_time: float = 0.0
@@ -78,6 +83,11 @@ class RoundStats:
         """Largest staleness of any contribution of the round (0 if none is stale)."""
         values = [s for s in self.oldest_staleness if s is not None]
         return max(values) if values else 0
+
+    @property
+    def discounted_total(self) -> float:
+        """The gradients' worth withheld from the round by staleness weights, over all ranks."""
+        return float(sum(self.discounted))
 
     @property
     def mean_staleness(self) -> float:

@@ -57,7 +57,9 @@ import lightning.pytorch as pl
 from lightning_partial import _compat
 from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundStats
 from lightning_partial.collectives.delayed import TRIGGERS, DelayedAllreduce, DelayedConfig
+from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.data import ElasticBatchSampler
+from lightning_partial.strategies import compensation
 from lightning_partial.strategies.checkpoint import state_for_rank
 from lightning_partial.strategies.partial import PartialStrategy
 
@@ -84,6 +86,21 @@ class ABSSGDStrategy(PartialStrategy):
             normalise a constant scale away, not one that varies by round.
             Gradient clipping sees the scaled gradient. Checkpoints keep the
             results not yet applied as they were computed.
+        staleness_rule: how a result, applied one round late, enters the optimizer.
+            ``"auto"`` (default): with ``torch.optim.SGD`` and momentum ``mu``,
+            ``"momentum"``; otherwise ``"none"``. ``"momentum"``: the result ``g``
+            enters the momentum buffer as ``mu * g`` (the share the buffer would
+            still hold had it been applied on time) and the rest is applied at
+            once as a plain step, ``lr * (1 - dampening) * g``, right after
+            ``optimizer.step()`` (spike compensation): the total effect of every
+            result equals the on-time one, only its first plain step comes a round
+            late. On a quadratic with ``mu = 0.9`` this raises the largest stable
+            learning rate 2.5-fold over feeding the late result whole (see
+            :mod:`lightning_partial.collectives.staleness`). Gradient clipping
+            sees the weighted gradient; the plain step follows the clipped one. Refused for an optimizer without momentum
+            or an Adam-like one (Adam's running scale has no such plain step).
+            ``"inverse"``: the result is halved (weight ``1 / (1 + 1)``).
+            ``"none"``: every result whole (the paper's rule).
         shuffle, seed: the elastic sampler's shuffling (as ``DistributedSampler``'s).
         timeout, process_group_backend, start_method: as for every strategy here.
     """
@@ -103,6 +120,7 @@ class ABSSGDStrategy(PartialStrategy):
         target_samples: Optional[int] = None,
         interval: Optional[float] = None,
         reference_samples: Optional[int] = None,
+        staleness_rule: str = "auto",
         shuffle: bool = True,
         seed: int = 0,
         timeout: timedelta = timedelta(minutes=30),
@@ -133,6 +151,9 @@ class ABSSGDStrategy(PartialStrategy):
         self.seed = seed
         self.partial_config = PartialAllreduceConfig(mode="solo", normalize="contributors", timeout=timeout,
                                                      name="abs_sgd")
+        self.staleness_rule = compensation.check_rule(staleness_rule, owner=self.strategy_name)
+        # Per optimizer index, resolved against the optimizers at set-up.
+        self._staleness: dict[int, StalenessWeights] = {}
         self.sampler: Optional[ElasticBatchSampler] = None
         self._epoch_samples: Optional[int] = None
         self._batch_samples = 0
@@ -152,6 +173,10 @@ class ABSSGDStrategy(PartialStrategy):
                 f"abs_sgd accumulates micro-batches itself: Trainer(accumulate_grad_batches="
                 f"{trainer.accumulate_grad_batches}) must be 1"
             )
+        self._staleness = {
+            i: compensation.resolve(self.staleness_rule, opt, owner=self.strategy_name, spike=True)
+            for i, opt in enumerate(self.optimizers)
+        }
         for cb in trainer.checkpoint_callbacks:
             if isinstance(cb, ModelCheckpoint) and (cb._every_n_train_steps or cb._train_time_interval):
                 raise ValueError(
@@ -291,14 +316,24 @@ class ABSSGDStrategy(PartialStrategy):
         self, index: int, optimizer: Optimizer, results: list[Any], model: Any = None, *, step_schedulers: bool = True
     ) -> None:
         module = model if isinstance(model, pl.LightningModule) else self.lightning_module
+        # Every result is applied one round after the micro-batches it sums were computed.
+        weights = self._staleness.get(index, StalenessWeights())
+        weight, spike = weights.weight(1), weights.spike(1)
+        params = self._params[index]
         for result in results:
-            for p, g in zip(self._params[index], result.tensors):
+            for p, g in zip(params, result.tensors):
                 if p.grad is None:
                     p.grad = g.clone()
                 else:
                     p.grad.copy_(g)
+                if weight != 1.0:
+                    p.grad.mul_(weight)
             _compat.before_optimizer_step(self.precision_plugin, module, optimizer)
             optimizer.step()
+            if spike:
+                # From the gradients as clipped (weight * g after clipping): the same direction and scale.
+                grads = [p.grad for p in params if p.grad is not None]
+                compensation.apply_spike(optimizer, [p for p in params if p.grad is not None], grads, spike / weight)
             if step_schedulers:
                 # Per round, not per batch: every rank then steps its schedulers at the same rounds.
                 _compat.step_round_schedulers(self.lightning_module.trainer, optimizer, result.stats.round_index)

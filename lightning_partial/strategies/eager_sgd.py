@@ -8,6 +8,13 @@ Specific to eager-SGD:
   gradient clipping and ``optimizer.step``, the gradients of the optimizer's
   parameters are handed to the engine (``arrive``); the round's result replaces
   them. The engine's communication thread issues the round's allreduces.
+* Unused parameters: beside the gradients, each rank contributes one more
+  small tensor, 1 per parameter whose gradient it has (``None`` is sent as
+  zeros). Its round sum is positive exactly for the parameters that some
+  contribution of the round used; the others get ``grad = None``, so that
+  the optimizer leaves them alone (no momentum, no weight decay), as DDP does
+  with globally unused parameters. It rides in the round's first buffer and
+  is read on the host only when this rank itself lacked a gradient.
 * End of fit (main thread): ``flush()`` runs the final synchronous round on
   every engine; its result (carried gradients) is applied with one more
   optimizer step, so nothing computed is lost and all replicas end identical.
@@ -31,7 +38,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from lightning_partial import _compat
 from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundStats
+from lightning_partial.collectives.staleness import StalenessWeights
+from lightning_partial.strategies import compensation
 from lightning_partial.strategies.partial import PartialStrategy
 
 log = logging.getLogger(__name__)
@@ -55,6 +65,15 @@ class EagerSGDStrategy(PartialStrategy):
             against 2.13x unbounded in the worst). Majority
             rarely reaches the bound. ``max_staleness=None`` restores the paper's
             unbounded rule.
+        staleness_rule: how much of a carried (late) gradient enters its round:
+            ``"auto"`` (default): ``"inverse"`` when the optimizer has momentum
+            (SGD ``momentum``, Adam ``beta1``), else ``"none"``; ``"momentum"``:
+            weight ``mu ** tau`` for a gradient ``tau`` rounds late, the share the
+            momentum buffer would still hold had it arrived on time (refused for an
+            optimizer without momentum); ``"inverse"``: ``1 / (1 + tau)``;
+            ``"none"``: the paper's rule, every gradient whole. What a weight
+            withholds is counted per round (``RoundStats.discounted``,
+            ``partial/discounted``). See :mod:`lightning_partial.collectives.staleness`.
         timeout: bound on every wait of the engine and on process-group set-up.
         process_group_backend: default ``"nccl"`` on CUDA, ``"gloo"`` otherwise.
         start_method: ``"popen"`` (scripts, torchrun, SLURM) or ``"spawn"``.
@@ -79,6 +98,7 @@ class EagerSGDStrategy(PartialStrategy):
         normalize: str = "world",
         sync_every: Optional[int] = None,
         max_staleness: Optional[int] = 2,
+        staleness_rule: str = "auto",
         seed: int = 0,
         timeout: timedelta = timedelta(minutes=30),
         process_group_backend: Optional[str] = None,
@@ -105,15 +125,31 @@ class EagerSGDStrategy(PartialStrategy):
             timeout=timeout,
             name="eager_sgd",
         )
+        self.staleness_rule = compensation.check_rule(staleness_rule, owner=self.strategy_name)
+        # Per optimizer index, resolved against the optimizers at set-up.
+        self._staleness: dict[int, StalenessWeights] = {}
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        super().setup(trainer)
+        # After the optimizers exist, before any rank trains: a rule the optimizer
+        # cannot serve fails here.
+        self._staleness = {
+            i: compensation.resolve(self.staleness_rule, opt, owner=self.strategy_name)
+            for i, opt in enumerate(self.optimizers)
+        }
 
     @override
     def _build_engine(self, index: int, params: list[torch.nn.Parameter], store: dist.Store) -> PartialAllreduce:
+        weights = self._staleness.get(index)
+        if weights is None:
+            weights = compensation.resolve(self.staleness_rule, self.optimizers[index], owner=self.strategy_name)
         return PartialAllreduce(
-            replace(self.partial_config, name=f"eager_sgd-{index}"),
+            replace(self.partial_config, name=f"eager_sgd-{index}", staleness=weights),
             store=store,
             rank=self.global_rank,
             world_size=self.world_size,
-            like=params,
+            like=[*params, self._presence(params, [True] * len(params))],
         )
 
     # ------------------------------------------------------------- training
@@ -136,26 +172,52 @@ class EagerSGDStrategy(PartialStrategy):
 
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
 
+    @staticmethod
+    def _presence(params: list[torch.nn.Parameter], present: list[bool]) -> torch.Tensor:
+        """1 per parameter with a gradient, in the first parameter's dtype and device (its buffer)."""
+        return torch.tensor(present, dtype=params[0].dtype).to(params[0].device, non_blocking=True)
+
     def _synchronise(self, index: int) -> None:
         params = self._params[index]
+        present = [p.grad is not None for p in params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        result = self._engines[index].arrive(grads)
-        for p, g in zip(params, result.tensors):
-            if p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
+        result = self._engines[index].arrive([*grads, self._presence(params, present)])
+        self._set_gradients(params, result.tensors, used_here=all(present))
         result.release()
         self._record(index, result.stats)
 
+    @staticmethod
+    def _set_gradients(params: list[torch.nn.Parameter], tensors: list[torch.Tensor], *, used_here: bool) -> None:
+        """The round's gradients into ``p.grad``; ``None`` for a parameter no contribution of the round used.
+
+        ``used_here``: this rank had every gradient, so every parameter is used and
+        the presence sums need not be read (no host synchronisation on CUDA).
+        """
+        *values, presence = tensors
+        used = [True] * len(params) if used_here else presence.gt(0).tolist()
+        for p, g, u in zip(params, values, used):
+            if not u:
+                p.grad = None  # globally unused in this round: untouched, as under DDP
+            elif p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
+
     @override
     def _final_round(self, index: int, engine: PartialAllreduce) -> RoundStats:
-        """The final flush; its result (carried gradients) is applied with one more optimizer step."""
+        """The final flush; its result (carried gradients) is applied with one more optimizer step.
+
+        That step goes through what every step goes through: the
+        ``on_before_optimizer_step`` hooks and gradient clipping
+        (``_compat.before_optimizer_step``).
+        """
         result = engine.flush()
         if result.stats.contributions:
             optimizer = self.optimizers[index]
-            for p, g in zip(self._params[index], result.tensors):
-                p.grad = g.clone()
+            for p in self._params[index]:
+                p.grad = None
+            self._set_gradients(self._params[index], result.tensors, used_here=False)
+            _compat.before_optimizer_step(self.precision_plugin, self.lightning_module, optimizer)
             optimizer.step()
             optimizer.zero_grad()
         result.release()

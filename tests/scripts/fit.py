@@ -44,16 +44,23 @@ from lightning_partial.callbacks import AdaptiveBatchSize, GroupRotation, LoadIm
 
 
 class Regressor(L.LightningModule):
-    def __init__(self, batchnorm: bool = False) -> None:
+    def __init__(self, batchnorm: bool = False, unused: bool = False) -> None:
         super().__init__()
         norm = [torch.nn.BatchNorm1d(16)] if batchnorm else []  # buffers that each replica updates itself
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), *norm, torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        # --unused: a layer no rank ever uses, and one that only rank 0 uses (on odd batches).
+        self.unused = torch.nn.Linear(8, 1) if unused else None
+        self.rank0_only = torch.nn.Linear(8, 1) if unused else None
         self.pid_dir: Path | None = None
         self.step_scheduler = False
+        self.momentum = 0.0
+        self.weight_decay = 0.0
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
+        if self.rank0_only is not None and self.global_rank == 0 and batch_idx % 2:
+            loss = loss + self.rank0_only(x).pow(2).mean()
         self.log("train_loss", loss)
         return loss
 
@@ -63,7 +70,8 @@ class Regressor(L.LightningModule):
             (self.pid_dir / f"rank{self.global_rank}.pid").write_text(str(os.getpid()))
 
     def configure_optimizers(self):
-        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=self.momentum,
+                                    weight_decay=self.weight_decay)
         if not self.step_scheduler:
             return optimizer
         # Halves the learning rate every 3 optimizer steps (abs_sgd: every 3 rounds).
@@ -160,6 +168,9 @@ def main() -> None:
     parser.add_argument("--max-epochs", type=int, default=None, help="Trainer(max_epochs); then --steps is ignored")
     parser.add_argument("--adaptive", action="store_true", help="add an AdaptiveBatchSize(window=4, min_batch_size=2) (abs_sgd)")
     parser.add_argument("--step-scheduler", action="store_true", help="a StepLR stepped per optimizer step")
+    parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (the staleness rule reads it)")
+    parser.add_argument("--weight-decay", type=float, default=0.0, help="SGD weight decay")
+    parser.add_argument("--unused", action="store_true", help="a layer no rank uses and one only rank 0 uses")
     parser.add_argument("--save-at", type=int, default=None, help="save <out>/mid.ckpt after this many steps")
     parser.add_argument("--save-epoch", type=int, default=None, help="save <out>/mid.ckpt at this epoch's end")
     parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to resume the fit from")
@@ -171,8 +182,11 @@ def main() -> None:
     x = torch.randn(2048, 8, generator=g)
     y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(2048, 1, generator=g)
     loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
-    model = Regressor(batchnorm=args.batchnorm)
+    model = Regressor(batchnorm=args.batchnorm, unused=args.unused)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.step_scheduler = args.step_scheduler
+    model.momentum = args.momentum
+    model.weight_decay = args.weight_decay
     model.pid_dir = args.out / "pids"
     strategy: Any = args.strategy
     if strategy.startswith("eager_sgd:"):  # a configured instance rather than a registry name
@@ -241,6 +255,9 @@ def main() -> None:
         },
     }
     record["global_step"] = trainer.global_step
+    record["changed"] = sorted(k for k, v in model.state_dict().items() if not torch.equal(v, initial[k]))
+    weights = getattr(trainer.strategy, "_staleness", {}).get(0)
+    record["staleness_weights"] = asdict(weights) if weights is not None else None
     record["lr"] = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
     record["epoch_batches"] = epochs.batches
     record["epoch_samples"] = epochs.samples

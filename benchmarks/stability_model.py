@@ -1,0 +1,100 @@
+"""Largest stable learning rate of SGD with momentum on a quadratic, under late gradients, per staleness rule.
+
+Pure Python and numpy (seconds). The loss is ``lam * x**2 / 2``; ``h = lr * lam``.
+Torch's SGD: ``v <- mu v + g``, ``x <- x - lr v``. Two ways gradients come late:
+
+* ``uniform``: every gradient is ``tau`` rounds late (``abs_sgd``: ``tau = 1``).
+* ``solo``: a fraction ``f`` of each round's gradient is fresh and the rest one
+  round late (``eager_sgd`` solo: the activator's gradient is fresh, the
+  others' arrive just after the round started; ``f = 1/4`` with 4 ranks).
+
+For each rule (:mod:`lightning_partial.collectives.staleness`) the script
+builds the linear recurrence and reports the largest ``h`` (scanned from 0)
+whose spectral radius stays below 1. Undelayed momentum SGD is stable for
+``h < 2 (1 + mu) = 3.8`` at ``mu = 0.9``.
+
+    .venv/bin/python benchmarks/stability_model.py   # writes benchmarks/results/stability_model.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+
+def _radius(step: Callable[[np.ndarray], np.ndarray], n: int) -> float:
+    matrix = np.stack([step(e) for e in np.eye(n)], axis=1)
+    return float(max(abs(np.linalg.eigvals(matrix))))
+
+
+def uniform(rule: str, h: float, mu: float, tau: int) -> float:
+    """Spectral radius: every gradient ``tau`` rounds late. State: x_t .. x_{t-tau}, v_t."""
+    w = {"none": 1.0, "momentum": mu**tau, "inverse": 1.0 / (1 + tau), "spike": mu**tau}[rule]
+    spike = (1 - mu**tau) / (1 - mu) if rule == "spike" else 0.0
+
+    def step(s: np.ndarray) -> np.ndarray:
+        x, v = s[: tau + 1], s[tau + 1]
+        g = x[tau]
+        v_next = mu * v + w * g
+        x_next = x[0] - h * (v_next + spike * g)
+        return np.concatenate([[x_next], x[:tau], [v_next]])
+
+    return _radius(step, tau + 2)
+
+
+def solo(rule: str, h: float, mu: float, fresh: float) -> float:
+    """Spectral radius: a share ``fresh`` of each round on time, the rest one round late."""
+    w = {"none": 1.0, "momentum": mu, "inverse": 0.5, "spike": mu, "drop": 0.0}[rule]
+    spike = 1.0 if rule == "spike" else 0.0
+
+    def step(s: np.ndarray) -> np.ndarray:
+        x0, x1, v = s
+        stale = (1 - fresh) * x1
+        v_next = mu * v + fresh * x0 + w * stale
+        return np.array([x0 - h * (v_next + spike * stale), x0, v_next])
+
+    return _radius(step, 3)
+
+
+def largest_stable(radius: Callable[[float], float], top: float = 20.0, points: int = 20_000) -> float:
+    stable = 0.0
+    for h in np.linspace(top / points, top, points):
+        if radius(h) >= 1.0:
+            break
+        stable = float(h)
+    return stable
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--fresh", type=float, default=0.25, help="solo: the share of a round that is on time")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "stability_model.json")
+    args = parser.parse_args(argv)
+    mu = args.momentum
+    rows: list[dict[str, object]] = []
+    on_time = largest_stable(lambda h: uniform("none", h, mu, 0))
+    rows.append({"delay": "none", "rule": "-", "largest_stable_h": on_time})
+    for tau in (1, 2, 4):
+        for rule in ("none", "momentum", "inverse", "spike"):
+            rows.append({"delay": f"uniform tau={tau}", "rule": rule,
+                         "largest_stable_h": largest_stable(lambda h: uniform(rule, h, mu, tau))})
+    for rule in ("none", "momentum", "inverse", "spike", "drop"):
+        rows.append({"delay": f"solo, {args.fresh:g} fresh", "rule": rule,
+                     "largest_stable_h": largest_stable(lambda h: solo(rule, h, mu, args.fresh))})
+    print(f"SGD momentum {mu}: largest stable lr * curvature (undelayed: {on_time:.3f})")
+    for row in rows:
+        print(f"  {row['delay']:<22} {row['rule']:<9} {row['largest_stable_h']:.3f}")
+    args.out.write_text(json.dumps({"momentum": mu, "fresh": args.fresh, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

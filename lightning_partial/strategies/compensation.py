@@ -1,0 +1,124 @@
+"""The strategies' side of staleness-aware updates: the rule from the optimizer, and the spike.
+
+The rules themselves (:class:`~lightning_partial.collectives.staleness.StalenessWeights`)
+are the engine's. A strategy takes ``staleness_rule`` from the user and
+resolves it against the optimizer it will feed, at set-up (the optimizer is
+not known at construction):
+
+* ``"auto"`` (default): the rule measured best for the way the strategy applies
+  late gradients, for an optimizer with momentum (SGD ``momentum > 0``; Adam,
+  AdamW and the other optimizers with ``betas``), and ``"none"`` without
+  momentum, where a late gradient is not amplified (nothing was measured to
+  win there). Where gradients of different staleness share a round
+  (``eager_sgd``): ``"inverse"`` (on the imbalance benchmark it cost the least
+  accuracy at every bound tried; see ``docs/staleness.md``). Where a whole result is late by one round
+  (``abs_sgd``, ``spike=True``): ``"momentum"`` with spike compensation under
+  ``torch.optim.SGD`` with momentum, ``"none"`` otherwise.
+* ``"momentum"``: the same, but an optimizer without momentum is an error.
+* ``"inverse"``, ``"none"``: as the engine defines them.
+
+Every parameter group must have the same coefficient: a gradient's weight is
+applied to the whole flat buffer that carries it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_partial.collectives.staleness import STALENESS_RULES, StalenessWeights
+
+STRATEGY_RULES: tuple[str, ...] = ("auto",) + STALENESS_RULES
+
+
+def check_rule(rule: object, *, owner: str) -> str:
+    """Validates a strategy's ``staleness_rule`` at construction; returns it."""
+    if not isinstance(rule, str) or rule not in STRATEGY_RULES:
+        raise ValueError(f"{owner}: unknown staleness_rule {rule!r}: expected one of {', '.join(STRATEGY_RULES)}")
+    return rule
+
+
+def optimizer_momentum(optimizer: Optimizer) -> tuple[str, float, float]:
+    """``(kind, mu, dampening)`` of ``optimizer``: kind ``"sgd"``, ``"adam"`` or ``"none"``.
+
+    ``"sgd"``: parameter groups with ``momentum`` (torch.optim.SGD and look-alikes);
+    ``"adam"``: groups with ``betas`` (``mu = beta1``; dampening 0). Raises
+    ``ValueError`` if the groups disagree.
+    """
+    kinds = set()
+    values = set()
+    for group in optimizer.param_groups:
+        if "momentum" in group:
+            kinds.add("sgd")
+            values.add((float(group["momentum"]), float(group.get("dampening", 0.0))))
+        elif "betas" in group:
+            kinds.add("adam")
+            values.add((float(group["betas"][0]), 0.0))
+        else:
+            kinds.add("none")
+            values.add((0.0, 0.0))
+    if len(kinds) != 1 or len(values) != 1:
+        raise ValueError(
+            f"the staleness rule needs one momentum coefficient for all parameter groups of "
+            f"{type(optimizer).__name__}, got {sorted(values)}: give every group the same momentum/betas, "
+            "or use staleness_rule='inverse' or 'none'"
+        )
+    (kind,) = kinds
+    ((mu, dampening),) = values
+    return (kind if mu > 0 else "none"), mu, dampening
+
+
+def resolve(rule: str, optimizer: Optimizer, *, owner: str, spike: bool = False) -> StalenessWeights:
+    """The weights for ``rule`` given ``optimizer``; raises ``ValueError`` naming ``staleness_rule``.
+
+    ``spike=True``: the caller applies :meth:`StalenessWeights.spike` (a result
+    whose contributions share one staleness), which is defined for SGD's update
+    only: under ``"auto"`` an optimizer other than SGD with momentum then gets ``"none"`` (Adam
+    divides its update by a running scale, so neither a uniform weight nor a
+    plain step re-times a late gradient), and ``"momentum"`` is refused.
+    """
+    if rule in ("inverse", "none"):
+        return StalenessWeights(rule=rule)  # type: ignore[arg-type]
+    kind, mu, dampening = optimizer_momentum(optimizer)
+    if rule == "auto":
+        if kind == "none":
+            return StalenessWeights()
+        if not spike:
+            return StalenessWeights(rule="inverse")
+        if kind == "sgd":
+            return StalenessWeights(rule="momentum", momentum=mu, dampening=dampening)
+        return StalenessWeights()
+    if rule == "momentum":
+        if kind == "none":
+            raise ValueError(
+                f"{owner}: staleness_rule='momentum' needs an optimizer with momentum (SGD momentum > 0, or Adam's "
+                f"beta1), but {type(optimizer).__name__} has none: use staleness_rule='inverse' or 'none'"
+            )
+        if kind == "adam" and spike:
+            raise ValueError(
+                f"{owner}: staleness_rule='momentum' re-times late results with plain SGD steps, which needs "
+                f"torch.optim.SGD with momentum, not {type(optimizer).__name__}: use staleness_rule='auto' or 'none'"
+            )
+        return StalenessWeights(rule="momentum", momentum=mu, dampening=dampening)
+    raise ValueError(f"{owner}: unknown staleness_rule {rule!r}")
+
+
+@torch.no_grad()
+def apply_spike(optimizer: Optimizer, params: Sequence[Tensor], tensors: Sequence[Tensor], coefficient: float) -> None:
+    """``p <- p - lr * coefficient * g`` for each parameter, with its group's current learning rate.
+
+    The plain step that :meth:`StalenessWeights.spike` re-times; after
+    ``optimizer.step()``, on the same gradients (``maximize`` groups step up).
+    """
+    if coefficient == 0.0:
+        return
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    for p, g in zip(params, tensors):
+        group = group_of.get(id(p))
+        if group is None:
+            continue
+        sign = 1.0 if group.get("maximize", False) else -1.0
+        p.add_(g.to(p.dtype), alpha=sign * float(group["lr"]) * coefficient)
