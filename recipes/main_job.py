@@ -5,7 +5,8 @@
 For each strategy (``ddp`` first, then ``eager_sgd``, ``eager_sgd_majority``,
 ``wagma_sgd``, ``ds_sync`` and ``abs_sgd`` where this version has it) it runs
 the reference recipe (``cifar_resnet``: a small ResNet-20 on the built-in
-images) as its own 4-process fit::
+images, noisy enough that DDP ends near 90% instead of saturating) as its own
+4-process fit::
 
     python recipes/cifar_resnet.py fit --config conf/main_job.yaml --trainer.strategy <strategy> ...
 
@@ -13,11 +14,11 @@ with Lightning's progress bar, a ``LoadImbalance`` straggler (1 of the 4 ranks,
 drawn per batch with a shared seed, sleeps ``imbalance.delay_ms`` before its
 forward pass), and an offline W&B run per strategy. Every fit trains for the
 same number of epochs (the same samples in total, also under ``abs_sgd``,
-whose epochs end by global samples); ``abs_sgd`` runs plain SGD at lr 0.1
-instead of the config's momentum 0.9 (``STRATEGY_ARGS``: a delayed update needs
-it). Then it prints a table (throughput,
-ratio to DDP, held-out accuracy of rank 0's final model), writes a PNG plot
-and a JSON file, and lists the W&B runs.
+whose epochs end by global samples) with the config's own optimizer (SGD,
+momentum 0.9): no strategy gets settings of its own, so the table compares
+strategies, not tunings. Then it prints a table (throughput, ratio to DDP,
+held-out accuracy of rank 0's final model), writes a PNG plot and a JSON
+file, and lists the W&B runs.
 
 Throughput is measured per rank from its first batch to the end of the fit
 (after the strategies' final synchronisation; Lightning's start-up excluded)
@@ -70,16 +71,12 @@ def abs_sgd_available() -> bool:
         return False
 
 
-# Per-strategy settings on top of the config (before the user's ``--`` options, which win).
-# abs_sgd applies each update one round late; a late gradient shrinks SGD's stable step
-# (on a quadratic of curvature l: lr * l < 0.1 instead of < 3.8 with momentum 0.9, < 1
-# without momentum), and with the config's momentum 0.9 its loss spikes (58% here instead
-# of DDP's 99.9%): plain SGD with lr 0.1 (about DDP's effective step lr / (1 - momentum) / 5).
-STRATEGY_ARGS: dict[str, list[str]] = {"abs_sgd": ["--model.momentum", "0", "--model.lr", "0.1"]}
-
-
 def fit_command(args: argparse.Namespace, strategy: str, records: Path) -> list[str]:
-    """The command line of one strategy's fit (Lightning re-runs it for ranks 1..P-1)."""
+    """The command line of one strategy's fit (Lightning re-runs it for ranks 1..P-1).
+
+    The fits differ only in their strategy (and where their records and logs go): no
+    strategy gets options of its own. The user's ``--`` options come last (they win).
+    """
     command = [
         sys.executable, str(ROOT / "recipes" / f"{args.recipe}.py"), "fit", "--config", str(args.config),
         "--trainer.strategy", strategy, "--trainer.devices", str(args.devices),
@@ -92,7 +89,7 @@ def fit_command(args: argparse.Namespace, strategy: str, records: Path) -> list[
     else:
         command += ["--config", str(ROOT / "conf" / "loggers" / "csv.yaml"), "--trainer.logger.save_dir",
                     str(args.out / "csv"), "--trainer.logger.name", strategy]
-    return command + STRATEGY_ARGS.get(strategy, []) + list(args.extra)
+    return command + list(args.extra)
 
 
 def free_port(low: int = 20000, high: int = 32000) -> int:
