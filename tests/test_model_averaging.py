@@ -43,7 +43,10 @@ def test_registry_names():
         (lambda: WAGMAStrategy(normalize="mean"), "unknown normalize"),
         (lambda: WAGMAStrategy(mode="fastest"), "unknown mode"),
         (lambda: DSSyncStrategy(num_groups=0), "num_groups"),
-        (lambda: DSSyncStrategy(late="keep"), "unknown late policy"),
+        (lambda: DSSyncStrategy(late="keep"), "unknown late policy 'keep'"),
+        (lambda: WAGMAStrategy(late="damped"), "unknown late policy 'damped'"),
+        (lambda: WAGMAStrategy(order="reference"), "unknown order 'reference'"),
+        (lambda: DSSyncStrategy(order="before"), "unknown order 'before'"),
         (lambda: DSSyncStrategy(measure_every=0), "measure_every"),
         (lambda: GroupRotation(consensus_every=0), "consensus_every"),
         (lambda: GroupRotation(switch_at={0: ShuffleSchedule(world_size=4, num_groups=2)}), "switch_at"),
@@ -68,6 +71,15 @@ def test_world_dependent_checks_fail_at_set_up(strategy, world, match):
     """Checked in ``setup`` (the world size is known there), before any rank trains."""
     with pytest.raises(ValueError, match=match):
         strategy.validate_world(world)
+
+
+def test_default_correction_and_order():
+    """The damped correction (stable for every lag) and the local step before the average, for both."""
+    for strategy in (WAGMAStrategy(), DSSyncStrategy()):
+        assert (strategy.normalize, strategy.late, strategy.stale, strategy.order) == (
+            "group", "damp", "skip", "step_then_average"
+        )
+    assert WAGMAStrategy().global_every == 10 and DSSyncStrategy().partial_config.max_staleness == 4
 
 
 def test_default_schedules():
@@ -135,6 +147,19 @@ def assert_identical(out: Path) -> dict[str, torch.Tensor]:
         for key, value in states[0].items():
             assert torch.equal(value, other[key]), key
     return states[0]
+
+
+@pytest.mark.timeout(300)
+def test_reference_order_averages_before_the_step(tmp_path):
+    """``order="average_then_step"`` (the WAGMA reference code): the average runs inside the closure,
+    after the backward and before the optimizer's step. A 4-process fit: every round runs on every
+    rank, and the final average still leaves the replicas bit-identical."""
+    out = tmp_path / "run"
+    records = run_fit(out, "wagma_sgd", "--strategy-kw", json.dumps({"order": "average_then_step"}),
+                      "--straggle-ms", "10", "--steps", "12", "--rotation", "3")
+    for record in records:
+        assert [g["round_index"] for g in record["groups"]] == list(range(12))
+    assert_identical(out)
 
 
 @pytest.mark.timeout(300)

@@ -10,11 +10,16 @@ The rounds, their activation (solo, majority, quorum, sync, ``sync_every``,
   leaves it out of the group sum: every model enters at most one average. With
   ``stale="resend"`` (the reference codes) its communication thread contributes
   the same model again; a rank far behind then pulls its partners back to its
-  old model round after round, and its own ``late="carry"`` correction adds
-  their progress once per such round: on the benchmark, DS-Sync without a
-  periodic global average diverged that way (loss 14 at step 100), while with
-  ``"skip"`` it trains like DDP. The model the engine was built from counts as
-  contributed (all replicas start equal).
+  old model round after round, and its own (undamped, ``late="carry"``)
+  correction adds their progress once per such round: on the benchmark,
+  DS-Sync without a periodic global average diverged that way (loss 14 at
+  step 100), while with ``"skip"`` it trains like DDP. The model the engine
+  was built from counts as contributed (all replicas start equal).
+* **How a rank applies the round** (:func:`apply_average`, caller's thread):
+  by default every member of a group moves ``1 / (k + 1)`` of the way from its
+  contribution to the group average, ``k`` the largest lag in the group's sum
+  (**Decision**, ``late="damp"``): the sum of the replicas is conserved, and a
+  rank that stays late cannot drift off, whatever its lag.
 * **Which data collectives run.** In a group round, point-to-point send/recv
   within the round's group, from the :class:`~lightning_partial.collectives.schedules.Schedule`
   (a pure function of the round index), over the engine's own data process
@@ -62,7 +67,8 @@ log = logging.getLogger(__name__)
 
 Normalization = Literal["group", "reference"]
 NORMALIZATIONS: tuple[str, ...] = ("group", "reference")
-LatePolicy = Literal["carry", "drop"]
+LatePolicy = Literal["damp", "carry", "drop"]
+LATE_POLICIES: tuple[str, ...] = ("damp", "carry", "drop")
 StalePolicy = Literal["skip", "resend"]
 STALE_POLICIES: tuple[str, ...] = ("skip", "resend")
 
@@ -117,6 +123,13 @@ class GroupAverage(PartialAllreduce):
             if config.late != "carry":
                 raise ValueError(
                     f"GroupAverage needs late='carry' (a late model is the next send buffer), got {config.late!r}"
+                )
+            if config.staleness.active:
+                # The engine's weights scale gradients; a model scaled by its lag would be a different
+                # model. A late model's weight is apply_average's (late="damp").
+                raise ValueError(
+                    f"GroupAverage sends whole models: config.staleness must be rule 'none', got "
+                    f"{config.staleness.rule!r} (apply_average(late='damp') weighs late models)"
                 )
         schedule.check_world(world_size)
         if measure_every is not None and (
@@ -286,41 +299,77 @@ class GroupAverage(PartialAllreduce):
         )
 
 
+def lag_damping(lag: int) -> float:
+    """The share ``1 / (lag + 1)`` of its pull that each member of a group round takes under ``late="damp"``.
+
+    ``lag`` is the largest staleness of a model in the group's sum. Why this
+    factor: with one member ``k`` rounds late in groups of ``n`` among many
+    ranks (the others barely move), the gap ``d`` between it and the others
+    follows ``d_q = d_{q-1} - a d_{q-k-1}`` with ``a = beta (n - 1) / n``, and
+    that recurrence is stable iff ``0 < a < 2 sin(pi / (4k + 2))``, which is at
+    least ``2 / (2k + 1) > 1 / (k + 1) >= a`` for every ``k`` and ``n``. The
+    undamped rule (``beta = 1``, ``late="carry"``) breaks it from ``k = 3`` in
+    groups of two (spectral radius 1.024; 1.060 at ``k = 4``) and from ``k = 2``
+    in larger groups; ``1 / (k + 1)`` keeps it below 1 for every lag (groups of
+    two: 0.824 at ``k = 4``, 0.988 at ``k = 64``; ``n`` large: 0.917, 0.995), so
+    no ``max_staleness``, or none at all, lets a late rank drift off.
+    """
+    if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
+        raise ValueError(f"lag must be an integer >= 0, got {lag!r}")
+    return 1.0 / (lag + 1)
+
+
 def apply_average(
     result: RoundResult,
     current: Tensors,
     *,
     normalize: Normalization = "group",
-    late: LatePolicy = "carry",
+    late: LatePolicy = "damp",
 ) -> None:
     """Replaces ``current`` (this rank's model, as passed to ``arrive``) with the round's average, in place.
 
     A rank left out of the round's sum (``result.included`` false: ``stale="skip"``
     and nothing new since its last round) keeps ``current`` unchanged. Otherwise,
     with ``n`` the number of models summed (``P`` in a global round), ``s`` the sum,
-    ``c`` this rank's contribution to the round and ``u`` its current model:
+    ``c`` this rank's contribution to the round, ``u`` its current model and ``k``
+    the largest staleness (``RoundStats.staleness``) of a model in the sum:
 
-    * ``normalize="group"``: ``u <- s / n``, plus ``u - c`` with ``late="carry"``.
-      A rank whose fresh model was in the round has ``u == c``: every such member
-      gets exactly ``s / n``, so a synchronous group round leaves its members
-      identical. A late rank keeps the local progress that missed the round
-      (**Decision**, as ``late="carry"`` for gradients): the sum of all replicas
-      is conserved by every round, so nothing computed is lost. ``late="drop"``
-      discards it (a late rank takes the group's average as it is).
+    * ``normalize="group"``, ``late="damp"`` (default, **Decision**): ``u <- u +
+      beta (s / n - c)`` with ``beta = 1 / (k + 1)`` (:func:`lag_damping`), the
+      same ``beta`` on every member of the group. When every model in the sum is
+      fresh (``k = 0``: every synchronous and every global round) each member
+      gets exactly ``s / n``, bit-identical across the group. A late member keeps
+      the local progress that missed the round (its ``u - c``), as ``"carry"``
+      does. The sum of all replicas is conserved by every round for every lag
+      (the members' pulls ``s / n - c`` sum to zero and share one factor), so
+      nothing computed is lost. What it gives up against ``"carry"``: while a
+      member is late, its group's members move only ``beta`` of the way to the
+      group average (they are not left identical, and a late rank catches up
+      over about ``k + 1`` rounds instead of one). Why: ``"carry"`` measures a
+      late rank's pull from the model it contributed ``k`` rounds ago although
+      its current model already took the ``k`` pulls of the rounds since; at
+      ``k >= 3`` that overshoot grows without bound (DS-Sync's ``max_staleness=4``
+      allows ``k = 4``; see :func:`lag_damping`).
+    * ``late="carry"``: ``u <- s / n + (u - c)``, the same for ``k = 0`` and
+      conserving too, but unstable for a lag of 3 or more (kept for comparison).
+    * ``late="drop"``: ``u <- s / n``: a late rank discards the local progress
+      that missed the round (not conserving; stable).
     * ``normalize="reference"``: ``u <- (s + u) / (n + 1)`` in group rounds, the
-      WAGMA reference code's rule (a late rank's current weights still count);
-      global rounds use ``s / n``.
+      WAGMA reference code's rule (a late rank's current weights still count; not
+      conserving; stable: a convex combination); ``late`` is ignored; global
+      rounds use ``s / n``.
     """
     if normalize not in NORMALIZATIONS:
         raise ValueError(f"unknown normalize {normalize!r}: expected one of {', '.join(NORMALIZATIONS)}")
-    if late not in ("carry", "drop"):
-        raise ValueError(f"unknown late policy {late!r}: expected 'carry' or 'drop'")
+    if late not in LATE_POLICIES:
+        raise ValueError(f"unknown late policy {late!r}: expected one of {', '.join(LATE_POLICIES)}")
     group = result.stats.group
     if group is None or not result.sent:
         raise ValueError("apply_average() needs a GroupAverage round result")
     if not result.included:
         return
-    n = len(result.stats.averaged or group)
+    averaged = result.stats.averaged or group
+    n = len(averaged)
     tensors = [current] if isinstance(current, Tensor) else list(current)
     if len(tensors) != len(result.tensors) or any(u.shape != s.shape for u, s in zip(tensors, result.tensors)):
         raise ValueError(
@@ -329,12 +378,21 @@ def apply_average(
             "pass the tensors given to arrive()"
         )
     global_round = result.stats.group_id == -1
+    beta = 1.0
+    if late == "damp":
+        # One factor for the whole group (the header is identical on every member): the
+        # members' pulls then still sum to zero, and so does the change of the replicas' sum.
+        beta = lag_damping(max(result.stats.staleness[m] or 0 for m in averaged))
     with torch.no_grad():
         for u, s, c in zip(tensors, result.tensors, result.sent):
             if normalize == "reference" and not global_round:
                 u.add_(s).div_(n + 1)
                 continue
-            delta = u - c if late == "carry" else None
+            if beta < 1.0:
+                u.add_(s.div(n).sub_(c), alpha=beta)
+                continue
+            # beta == 1: every model in the sum is fresh (u == c), or "carry"/"drop".
+            delta = u - c if late != "drop" else None
             u.copy_(s).div_(n)
             if delta is not None:
                 u.add_(delta)

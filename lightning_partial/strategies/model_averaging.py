@@ -7,11 +7,17 @@ for set-up, SIGTERM, checkpoints and the end of fit. Specific to model averaging
   gradients (no gradient is exchanged); then the optimizer's parameters go to
   its :class:`~lightning_partial.collectives.GroupAverage` (``arrive``) and are
   replaced by the round's group average (:func:`~lightning_partial.collectives.apply_average`).
-  The engine's communication thread runs the header allreduce (gloo, all
-  ranks) and the group's point-to-point exchange on the engine's data group.
+  With ``order="average_then_step"`` (the WAGMA reference code's order) the
+  parameters are averaged after the closure (forward and backward) and
+  before the optimizer applies the gradient, which was computed on the
+  pre-average model. The engine's communication thread runs the header
+  allreduce (gloo, all ranks) and the group's point-to-point exchange on the
+  engine's data group.
 * Every ``global_every``-th round, and the final flush at the end of fit, is a
   synchronous global average (allreduce over all ranks): afterwards all
-  replicas are identical.
+  replicas are identical (with ``order="average_then_step"``, until each
+  applies its own gradient in the same step; the final flush comes after the
+  last step).
 * Optimizer state (momentum buffers) stays local, as in the reference codes.
 """
 
@@ -32,13 +38,20 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_partial.collectives import PartialAllreduceConfig, RoundStats
 from lightning_partial.collectives.engine import PartialAllreduce
-from lightning_partial.collectives.group_average import NORMALIZATIONS, STALE_POLICIES, GroupAverage, apply_average
+from lightning_partial.collectives.group_average import (
+    LATE_POLICIES,
+    NORMALIZATIONS,
+    STALE_POLICIES,
+    GroupAverage,
+    apply_average,
+)
 from lightning_partial.collectives.schedules import Schedule
 from lightning_partial.strategies.partial import PartialStrategy
 
 log = logging.getLogger(__name__)
 
 ScheduleSource = Union[Schedule, Callable[[int], Schedule]]
+ORDERS: tuple[str, ...] = ("step_then_average", "average_then_step")
 
 
 class ModelAveragingStrategy(PartialStrategy):
@@ -52,14 +65,24 @@ class ModelAveragingStrategy(PartialStrategy):
         quorum: for ``mode="quorum"``.
         normalize: ``"group"`` (sum / S) or ``"reference"`` ((sum + own model) / (S + 1)),
             see :func:`~lightning_partial.collectives.apply_average`.
-        late: ``"carry"`` (a late rank keeps the local progress that missed the
-            round: the sum of the replicas is conserved) or ``"drop"``.
+        late: ``"damp"`` (default: a late rank keeps the local progress that
+            missed the round; while a member is ``k`` rounds late its group moves
+            ``1 / (k + 1)`` of the way to the group average; the sum of the replicas
+            is conserved; stable for every lag), ``"carry"`` (the same, undamped:
+            unstable from a lag of 3) or ``"drop"``, see
+            :func:`~lightning_partial.collectives.apply_average`.
         stale: ``"skip"`` (a model enters at most one group average; a rank with
             nothing new sits the round out) or ``"resend"`` (the reference codes: a
             late rank's last model is averaged again in every round until it arrives),
             see :class:`~lightning_partial.collectives.GroupAverage`.
         global_every: every ``global_every``-th round is a synchronous global
-            average (``None``: only the final one).
+            average (``None``: only the final one): ``global_every - 1`` group
+            rounds, then a global one.
+        order: ``"step_then_average"`` (default: the local step, then the average
+            of the stepped model) or ``"average_then_step"`` (the WAGMA reference
+            code: the average of the pre-step model, then the local gradient; the
+            average runs in the optimizer's closure, so an optimizer that calls
+            its closure more than once per step, such as LBFGS, needs the default).
         max_staleness: no rank runs more than this many rounds ahead of the slowest.
         measure_every: measure the consensus distance every ``n`` rounds (besides
             every global round); logged by :class:`~lightning_partial.callbacks.GroupRotation`.
@@ -83,9 +106,10 @@ class ModelAveragingStrategy(PartialStrategy):
         mode: str = "solo",
         quorum: Optional[int] = None,
         normalize: str = "group",
-        late: str = "carry",
+        late: str = "damp",
         stale: str = "skip",
         global_every: Optional[int] = None,
+        order: str = "step_then_average",
         max_staleness: Optional[int] = None,
         measure_every: Optional[int] = None,
         seed: int = 0,
@@ -106,8 +130,10 @@ class ModelAveragingStrategy(PartialStrategy):
         )
         if normalize not in NORMALIZATIONS:
             raise ValueError(f"unknown normalize {normalize!r}: expected one of {', '.join(NORMALIZATIONS)}")
-        if late not in ("carry", "drop"):
-            raise ValueError(f"unknown late policy {late!r}: expected 'carry' or 'drop'")
+        if late not in LATE_POLICIES:
+            raise ValueError(f"unknown late policy {late!r}: expected one of {', '.join(LATE_POLICIES)}")
+        if order not in ORDERS:
+            raise ValueError(f"unknown order {order!r}: expected one of {', '.join(ORDERS)}")
         if stale not in STALE_POLICIES:
             raise ValueError(f"unknown stale policy {stale!r}: expected one of {', '.join(STALE_POLICIES)}")
         if global_every is not None and (
@@ -135,6 +161,7 @@ class ModelAveragingStrategy(PartialStrategy):
         self.late = late
         self.stale = stale
         self.global_every = global_every
+        self.order = order
         self.measure_every = measure_every
         self.seed = seed
         self._schedule_source = schedule
@@ -196,11 +223,22 @@ class ModelAveragingStrategy(PartialStrategy):
         model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        """The local step on local gradients, then this round's group average of the parameters."""
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        """The local step on local gradients and this round's group average of the parameters, in ``order``."""
         index = self._optimizer_index(optimizer)
-        if index in self._engines:
-            self._average(index)
+        if index not in self._engines:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.order == "average_then_step":
+
+            def closure_then_average() -> Any:
+                # The gradients exist (computed on the pre-average model); the optimizer
+                # applies them to the average once this returns.
+                result = closure()
+                self._average(index)
+                return result
+
+            return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._average(index)
         return output
 
     def _average(self, index: int) -> None:
