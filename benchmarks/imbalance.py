@@ -22,6 +22,18 @@ configuration                      strategy                                     
 ``no_comm_imbalanced``             every rank alone (``baselines.NoCommStrategy``): the bound  yes
 =================================  ==========================================================  =========
 
+The staleness-rule study (``docs/staleness.md``) adds configurations that run
+only when ``--only`` names them: ``eager_sgd_rule_none_imbalanced`` (the
+paper's ``staleness_rule="none"`` at the default bound),
+``eager_sgd_unbounded_none_imbalanced`` (the paper's solo: unbounded, rule
+``none``), ``eager_sgd_inverse_imbalanced``, ``eager_sgd_unbounded_inverse_imbalanced``,
+``eager_sgd_s4_inverse_imbalanced``, ``eager_sgd_s6_inverse_imbalanced``,
+``eager_sgd_momentum_imbalanced``, ``eager_sgd_unbounded_momentum_imbalanced``,
+``eager_sgd_s4_momentum_imbalanced`` (rule ``"momentum"``) and
+``eager_sgd_unbounded_drop_imbalanced`` (fresh-only rounds). The strategy's
+default rule is ``"auto"``: ``"inverse"`` under momentum. ``--optimizer adamw``
+trains every configuration with AdamW (``betas=(--momentum, 0.999)``) instead of SGD.
+
 **Task.** 10-class classification of ``x ~ N(0, I_32)`` labelled by a fixed
 random teacher MLP (32-64-10, tanh; ~78% is reachable in a few hundred
 steps); 131,072 training and 8,192 held-out samples, generated from the seed
@@ -161,6 +173,8 @@ class Config:
     # Keyword arguments of a configured strategy object (``EagerSGDStrategy(**options)``);
     # empty: the registry name ``strategy`` as a user would write it.
     options: tuple[tuple[str, Any], ...] = ()
+    # Run without --only; the staleness-rule study's configurations run only when named.
+    default: bool = True
 
 
 CONFIGS: dict[str, Config] = {
@@ -182,40 +196,65 @@ CONFIGS: dict[str, Config] = {
             (("normalize", "contributors"),),
         ),
         Config("eager_sgd_s1_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=1", (("max_staleness", 1),)),
-        # The staleness rule (default "auto": "momentum" under SGD momentum or AdamW) against the paper's "none".
+        # The staleness-rule study (run when --only names them): the default rule ("auto": "inverse"
+        # under momentum) against the paper's "none", at other bounds, and fresh-only rounds.
         Config(
             "eager_sgd_rule_none_imbalanced", "eager_sgd", True, "eager-SGD solo, staleness_rule=none",
             (("staleness_rule", "none"),),
+            default=False,
         ),
         Config(
             "eager_sgd_unbounded_none_imbalanced", "eager_sgd", True,
             "eager-SGD solo, max_staleness=None, staleness_rule=none (the paper's)",
             (("max_staleness", None), ("staleness_rule", "none")),
+            default=False,
         ),
-        Config("eager_sgd_s4_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=4", (("max_staleness", 4),)),
-        Config("eager_sgd_s8_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=8", (("max_staleness", 8),)),
+        Config(
+            "eager_sgd_momentum_imbalanced", "eager_sgd", True, "eager-SGD solo, staleness_rule=momentum",
+            (("staleness_rule", "momentum"),),
+            default=False,
+        ),
+        Config(
+            "eager_sgd_unbounded_momentum_imbalanced", "eager_sgd", True,
+            "eager-SGD solo, max_staleness=None, staleness_rule=momentum",
+            (("max_staleness", None), ("staleness_rule", "momentum")),
+            default=False,
+        ),
+        Config(
+            "eager_sgd_s4_momentum_imbalanced", "eager_sgd", True,
+            "eager-SGD solo, max_staleness=4, staleness_rule=momentum",
+            (("max_staleness", 4), ("staleness_rule", "momentum")),
+            default=False,
+        ),
         Config(
             "eager_sgd_unbounded_inverse_imbalanced", "eager_sgd", True,
             "eager-SGD solo, max_staleness=None, staleness_rule=inverse",
             (("max_staleness", None), ("staleness_rule", "inverse")),
+            default=False,
         ),
         Config(
             "eager_sgd_inverse_imbalanced", "eager_sgd", True, "eager-SGD solo, staleness_rule=inverse",
             (("staleness_rule", "inverse"),),
+            default=False,
         ),
         Config(
-            "eager_sgd_s4_inverse_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=4, staleness_rule=inverse",
+            "eager_sgd_s4_inverse_imbalanced", "eager_sgd", True,
+            "eager-SGD solo, max_staleness=4, staleness_rule=inverse",
             (("max_staleness", 4), ("staleness_rule", "inverse")),
+            default=False,
         ),
         Config(
-            "eager_sgd_s6_inverse_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=6, staleness_rule=inverse",
+            "eager_sgd_s6_inverse_imbalanced", "eager_sgd", True,
+            "eager-SGD solo, max_staleness=6, staleness_rule=inverse",
             (("max_staleness", 6), ("staleness_rule", "inverse")),
+            default=False,
         ),
         # Fresh-only rounds: a late gradient is dropped (and counted), the sum divided by the contributors.
         Config(
             "eager_sgd_unbounded_drop_imbalanced", "eager_sgd", True,
             "eager-SGD solo, max_staleness=None, late=drop, normalize=contributors",
             (("max_staleness", None), ("late", "drop"), ("normalize", "contributors"), ("staleness_rule", "none")),
+            default=False,
         ),
         Config("wagma_sgd_imbalanced", "wagma_sgd", True, "WAGMA-SGD (S=2, tau=10)"),
         Config("ds_sync_imbalanced", "ds_sync", True, "DS-Sync (G=2, max_staleness=4)"),
@@ -1033,7 +1072,10 @@ def _environment(args: argparse.Namespace, model_parameters: int) -> dict[str, A
 
 def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     """Parent mode: calibration, every configuration (in subprocesses), summary, table, JSON, plot."""
-    selected = list(CONFIGS) if args.only is None else [n.strip() for n in args.only.split(",") if n.strip()]
+    selected = (
+        [n for n, c in CONFIGS.items() if c.default] if args.only is None
+        else [n.strip() for n in args.only.split(",") if n.strip()]
+    )
     unknown = [n for n in selected if n not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")

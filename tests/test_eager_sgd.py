@@ -181,14 +181,15 @@ def test_a_momentum_rule_without_momentum_fails_at_setup(tmp_path):
 def test_globally_unused_parameters_stay_untouched_as_under_ddp(tmp_path):
     """SGD momentum 0.9 and weight decay: a layer no rank uses keeps its initial weights (its grad stays None,
     so neither decay nor momentum moves it), a layer only rank 0 uses on some batches is trained, and the
-    replicas end bit-identical; the same holds for DDP."""
+    replicas end bit-identical; the same holds for DDP. eager_sgd's final flush step runs the
+    on_before_optimizer_step hooks (and gradient clipping) like every other step."""
     import json
 
     for strategy in ("eager_sgd", "ddp_find_unused_parameters_true"):
         out = tmp_path / strategy
         proc = subprocess.run(
             fit_command(out, "--strategy", strategy, "--unused", "--momentum", "0.9", "--weight-decay", "0.01",
-                        "--straggle-ms", "10", "--steps", "12"),
+                        "--straggle-ms", "30", "--steps", "12", "--clip", "0.5"),
             env=FIT_ENV, capture_output=True, text=True, timeout=240,
         )
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -196,6 +197,13 @@ def test_globally_unused_parameters_stay_untouched_as_under_ddp(tmp_path):
         for other in states[1:]:
             for key, value in states[0].items():
                 assert torch.equal(value, other[key]), (strategy, key)
-        changed = json.loads((out / "callbacks0.json").read_text())["changed"]
+        records = [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
+        changed = records[0]["changed"]
         assert not any(k.startswith("unused.") for k in changed), (strategy, changed)
         assert {"rank0_only.weight", "rank0_only.bias", "net.0.weight"} <= set(changed), (strategy, changed)
+        if strategy == "eager_sgd":
+            # The final flush's step went through on_before_optimizer_step (and so clipping, --clip) too.
+            last = records[0]["last_round"]
+            assert last["flush"] and last["round"] == 12
+            flush_steps = 1 if last["contributions"] else 0
+            assert all(r["before_optimizer_steps"] == 12 + flush_steps for r in records), records[0]

@@ -60,7 +60,7 @@ def test_engine_config_refuses_a_non_weights_staleness():
 
 
 # --------------------------------------------------------- the engine, exact
-def _weighted_rounds(weights: StalenessWeights, steps: int):
+def _weighted_rounds(weights: StalenessWeights, steps: int, dtype: torch.dtype = torch.float64):
     """4 ranks (threads), solo, rank 1 slow in every step so that its gradients are carried."""
     cfg = PartialAllreduceConfig(
         mode="solo", normalize="sum", staleness=weights, timeout=timedelta(seconds=30),
@@ -69,10 +69,10 @@ def _weighted_rounds(weights: StalenessWeights, steps: int):
 
     def grad(rank: int, step: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(rank * 100003 + step)
-        return torch.randint(-1000, 1000, (6,), generator=g).to(torch.float64)
+        return torch.randint(-1000, 1000, (6,), generator=g).to(dtype)
 
     def fn(rank: int, store: dist.Store):
-        engine = PartialAllreduce(cfg, store=store, rank=rank, world_size=P, like=torch.zeros(6, dtype=torch.float64))
+        engine = PartialAllreduce(cfg, store=store, rank=rank, world_size=P, like=torch.zeros(6, dtype=dtype))
         engine.start()
         results = []
         try:
@@ -137,12 +137,15 @@ def test_weighted_rounds_are_exact_identical_and_account_for_what_they_withhold(
     assert sum(r.stats.discounted_total for r in results) > 0
 
 
-def test_rule_none_leaves_rounds_whole():
-    per_rank, grad = _weighted_rounds(StalenessWeights(), 30)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
+def test_rule_none_leaves_rounds_whole(dtype):
+    """Carried gradients summed unweighted (integer buffers too: no float factor touches them)."""
+    per_rank, grad = _weighted_rounds(StalenessWeights(), 30, dtype)
     results = per_rank[0]
     arrived = sum(grad(i, q) for i in range(P) for q in range(30))
     assert torch.equal(sum(r.tensors[0] for r in results), arrived)
     assert all(d == 0.0 for r in results for d in r.stats.discounted)
+    assert any(c > 1 for r in results for c in r.stats.counts), "no rank carried two gradients into a round"
 
 
 # ----------------------------------------------------- the strategies' side

@@ -866,7 +866,8 @@ class PartialAllreduce:
                     f.mul_(deposits[0].weight)
             for d in deposits[1:]:
                 for acc, f in zip(flats, d.flats):
-                    acc.add_(f, alpha=d.weight)
+                    # alpha only when weighted: integer buffers refuse a float alpha.
+                    acc.add_(f) if d.weight == 1.0 else acc.add_(f, alpha=d.weight)
                 self.layout.recycle(d.flats)
             return flats
         with torch.cuda.stream(self._stream):  # pragma: no cover - needs GPUs
@@ -884,7 +885,8 @@ class PartialAllreduce:
                     f.mul_(deposits[0].weight)
             for d in deposits[1:]:
                 for acc, f in zip(flats, d.flats):
-                    acc.add_(f, alpha=d.weight)
+                    # alpha only when weighted: integer buffers refuse a float alpha.
+                    acc.add_(f) if d.weight == 1.0 else acc.add_(f, alpha=d.weight)
             return flats
 
     def _start(self, pg: Any, tensor: Tensor, r: int, what: str) -> Any:

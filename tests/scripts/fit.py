@@ -113,6 +113,10 @@ class EpochProbe(L.Callback):
         self.batches[-1] += 1
         self.samples[-1] += len(batch[0] if isinstance(batch, (list, tuple)) else batch)
 
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        # Every optimizer step, the strategies' own (eager_sgd's final flush step) included.
+        self.before_steps = getattr(self, "before_steps", 0) + 1
+
 
 class Probe(L.Callback):
     """With ``--spy``: counts the default group's collectives from the first batch start to each batch end.
@@ -171,6 +175,7 @@ def main() -> None:
     parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (the staleness rule reads it)")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="SGD weight decay")
     parser.add_argument("--unused", action="store_true", help="a layer no rank uses and one only rank 0 uses")
+    parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--save-at", type=int, default=None, help="save <out>/mid.ckpt after this many steps")
     parser.add_argument("--save-epoch", type=int, default=None, help="save <out>/mid.ckpt at this epoch's end")
     parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to resume the fit from")
@@ -228,6 +233,7 @@ def main() -> None:
         callbacks=callbacks,
         logger=loggers or False,
         log_every_n_steps=1,
+        gradient_clip_val=args.clip,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -261,6 +267,10 @@ def main() -> None:
     record["lr"] = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
     record["epoch_batches"] = epochs.batches
     record["epoch_samples"] = epochs.samples
+    record["before_optimizer_steps"] = getattr(epochs, "before_steps", 0)
+    last = getattr(trainer.strategy, "round_stats", {}).get(0)
+    record["last_round"] = {"round": last.round_index, "flush": last.flush, "contributions": last.contributions} \
+        if last is not None else None
     if adaptive is not None:
         record["adaptive"] = [[r, list(sizes)] for r, sizes in adaptive.history]
     if rotation is not None:
