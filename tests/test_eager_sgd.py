@@ -42,6 +42,7 @@ def test_registry_names_resolve_to_the_right_mode_and_launcher():
         (dict(max_staleness=-2), "max_staleness"),
         (dict(start_method="fork"), "start_method"),
         (dict(staleness_rule="gap"), "unknown staleness_rule 'gap'"),
+        (dict(find_unused_parameters="yes"), "find_unused_parameters must be a bool"),
     ],
 )
 def test_bad_configuration_fails_at_construction(kw, match):
@@ -179,7 +180,8 @@ def test_a_momentum_rule_without_momentum_fails_at_setup(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_globally_unused_parameters_stay_untouched_as_under_ddp(tmp_path):
-    """SGD momentum 0.9 and weight decay: a layer no rank uses keeps its initial weights (its grad stays None,
+    """find_unused_parameters=True, SGD momentum 0.9 and weight decay: a layer no rank uses keeps its initial
+    weights (its grad stays None,
     so neither decay nor momentum moves it), a layer only rank 0 uses on some batches is trained, and the
     replicas end bit-identical; the same holds for DDP. eager_sgd's final flush step runs the
     on_before_optimizer_step hooks (and gradient clipping) like every other step."""
@@ -187,8 +189,9 @@ def test_globally_unused_parameters_stay_untouched_as_under_ddp(tmp_path):
 
     for strategy in ("eager_sgd", "ddp_find_unused_parameters_true"):
         out = tmp_path / strategy
+        kw = ["--strategy-kw", '{"find_unused_parameters": true}'] if strategy == "eager_sgd" else []
         proc = subprocess.run(
-            fit_command(out, "--strategy", strategy, "--unused", "--momentum", "0.9", "--weight-decay", "0.01",
+            fit_command(out, "--strategy", strategy, *kw, "--unused", "--momentum", "0.9", "--weight-decay", "0.01",
                         "--straggle-ms", "30", "--steps", "12", "--clip", "0.5"),
             env=FIT_ENV, capture_output=True, text=True, timeout=240,
         )
@@ -207,3 +210,22 @@ def test_globally_unused_parameters_stay_untouched_as_under_ddp(tmp_path):
             assert last["flush"] and last["round"] == 12
             flush_steps = 1 if last["contributions"] else 0
             assert all(r["before_optimizer_steps"] == 12 + flush_steps for r in records), records[0]
+
+
+@pytest.mark.timeout(300)
+def test_a_layer_one_late_rank_used_is_left_alone_alike_on_every_rank(tmp_path):
+    """find_unused_parameters=True, one straggler per step: when rank 0 used a layer but its gradient missed the
+    round, the others (who never use it) see no use of it in the round and leave it alone; rank 0 must do the
+    same (it may not take its own complete gradient for the round's), or the replicas split."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        fit_command(out, "--strategy", "eager_sgd", "--strategy-kw", '{"find_unused_parameters": true}',
+                    "--rank0-only", "--momentum", "0.9", "--weight-decay", "0.01", "--straggle-ms", "30",
+                    "--steps", "24", "--track"),
+        env=FIT_ENV, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    states = [torch.load(out / f"rank{r}.pt") for r in range(4)]
+    for other in states[1:]:
+        for key, value in states[0].items():
+            assert torch.equal(value, other[key]), key

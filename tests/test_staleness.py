@@ -54,6 +54,13 @@ def test_bad_weights_fail_at_construction(kw, match):
         StalenessWeights(**kw)
 
 
+def test_engine_refuses_weights_on_integer_tensors():
+    store = dist.HashStore()
+    cfg = PartialAllreduceConfig(staleness=StalenessWeights(rule="inverse"))
+    with pytest.raises(ValueError, match="every tensor must be floating point"):
+        PartialAllreduce(cfg, store=store, rank=0, world_size=1, like=[torch.zeros(3, dtype=torch.int64)])
+
+
 def test_engine_config_refuses_a_non_weights_staleness():
     with pytest.raises(ValueError, match="staleness must be a StalenessWeights"):
         PartialAllreduceConfig(staleness="momentum")  # type: ignore[arg-type]
@@ -167,6 +174,14 @@ def _params(n: int = 2) -> list[torch.nn.Parameter]:
         (lambda p: torch.optim.SGD(p, lr=0.1), "inverse", False, ("inverse", 0.0, 0.0)),
         (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "none", True, ("none", 0.0, 0.0)),
         (lambda p: torch.optim.Adagrad(p, lr=0.1), "auto", True, ("none", 0.0, 0.0)),
+        # RMSprop's momentum is not SGD's: weights for eager_sgd, no spike compensation for abs_sgd.
+        (lambda p: torch.optim.RMSprop(p, lr=0.1, momentum=0.9), "auto", False, ("inverse", 0.0, 0.0)),
+        (lambda p: torch.optim.RMSprop(p, lr=0.1, momentum=0.9), "auto", True, ("none", 0.0, 0.0)),
+        # "auto" for eager_sgd needs no single coefficient: groups may differ.
+        (
+            lambda p: torch.optim.SGD([{"params": p[:1], "momentum": 0.9}, {"params": p[1:], "momentum": 0.0}], lr=0.1),
+            "auto", False, ("inverse", 0.0, 0.0),
+        ),
     ],
 )
 def test_rule_resolved_from_the_optimizer(make, rule, spike, expected):
@@ -179,6 +194,7 @@ def test_rule_resolved_from_the_optimizer(make, rule, spike, expected):
     [
         (lambda p: torch.optim.SGD(p, lr=0.1), "momentum", False, "needs an optimizer with momentum"),
         (lambda p: torch.optim.AdamW(p, lr=1e-3), "momentum", True, "needs torch.optim.SGD with momentum"),
+        (lambda p: torch.optim.RMSprop(p, lr=0.1, momentum=0.9), "momentum", True, "needs torch.optim.SGD"),
         (
             lambda p: torch.optim.SGD([{"params": p[:1], "momentum": 0.9}, {"params": p[1:], "momentum": 0.5}], lr=0.1),
             "momentum", False, "one momentum coefficient for all parameter groups",

@@ -59,8 +59,8 @@ Tensors = Union[Tensor, Sequence[Tensor]]
 # Columns of the per-rank header row.
 _COUNT, _NEWEST, _OLDEST, _ACTIVATED, _FLUSH, _PROGRESS, _DROPPED, _STOP, _DISCOUNT = range(9)
 _HEADER_WIDTH = 9
-# _DISCOUNT holds the gradients' worth that staleness weights withheld, in fixed point:
-# 2**-24 resolves every weight mu**tau of a dyadic mu exactly for tau <= 24.
+# _DISCOUNT holds the gradients' worth that staleness weights withheld, in fixed point
+# (2**-24: exact for mu = 0.5 and tau <= 24, within 6e-8 per contribution otherwise).
 _DISCOUNT_SCALE = 1 << 24
 # A header fused into the data travels as 8-bit limbs of its int64 values, one
 # element each: integers up to 255 are exact in every floating dtype a gradient
@@ -196,6 +196,11 @@ class PartialAllreduce:
         if backend == "nccl" and (len(devices) != 1 or self._cuda_device is None):
             raise ValueError(f"backend 'nccl' needs all tensors on one CUDA device, got {sorted(map(str, devices))}")
         self.backend = backend
+        if config.staleness.active and not all(b.dtype.is_floating_point for b in self.layout.buckets):
+            raise ValueError(
+                f"config.staleness rule {config.staleness.rule!r} scales contributions by fractions: every tensor "
+                f"must be floating point, got {sorted({str(b.dtype) for b in self.layout.buckets})}"
+            )
         self._store = store
         # One collective a round instead of two where the data allreduce can carry the header.
         # Not in pure sync mode: it needs a header only at the flush, and a buffer of its

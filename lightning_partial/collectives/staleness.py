@@ -5,7 +5,7 @@ computed on weights that lack ``tau`` rounds of updates. Fed through an
 optimizer with momentum ``mu`` as if it were fresh, it enters the momentum
 buffer whole and keeps acting for ``1 / (1 - mu)`` steps, all of them late: a
 delay of one round with ``mu = 0.9`` shrinks the stable learning rate on a
-quadratic by more than an order of magnitude (``benchmarks/staleness_model.py``
+quadratic by more than an order of magnitude (``benchmarks/stability_model.py``
 has the arithmetic). The rules here are one mechanism for every engine that
 applies stale gradients (:class:`~lightning_partial.collectives.PartialAllreduce`
 weighs each carried gradient by its own staleness before the round's sum;

@@ -41,12 +41,23 @@ def check_rule(rule: object, *, owner: str) -> str:
     return rule
 
 
-def optimizer_momentum(optimizer: Optimizer) -> tuple[str, float, float]:
-    """``(kind, mu, dampening)`` of ``optimizer``: kind ``"sgd"``, ``"adam"`` or ``"none"``.
+def has_momentum(optimizer: Optimizer) -> bool:
+    """Whether any parameter group has a momentum coefficient > 0 (``momentum``, or ``betas[0]``)."""
+    for group in optimizer.param_groups:
+        mu = group.get("momentum", group["betas"][0] if "betas" in group else 0.0)
+        if float(mu) > 0:
+            return True
+    return False
 
-    ``"sgd"``: parameter groups with ``momentum`` (torch.optim.SGD and look-alikes);
-    ``"adam"``: groups with ``betas`` (``mu = beta1``; dampening 0). Raises
-    ``ValueError`` if the groups disagree.
+
+def optimizer_momentum(optimizer: Optimizer) -> tuple[str, float, float]:
+    """``(kind, mu, dampening)`` of ``optimizer``: kind ``"sgd"``, ``"adam"``, ``"other"`` or ``"none"``.
+
+    ``"sgd"``: ``torch.optim.SGD`` (and subclasses) with momentum; ``"adam"``:
+    groups with ``betas`` (``mu = beta1``; dampening 0); ``"other"``: another
+    optimizer whose groups have ``momentum`` (RMSprop: its update is not SGD's,
+    so no plain step re-times it); ``"none"``: no momentum. Raises ``ValueError``
+    if the groups disagree.
     """
     kinds = set()
     values = set()
@@ -68,6 +79,8 @@ def optimizer_momentum(optimizer: Optimizer) -> tuple[str, float, float]:
         )
     (kind,) = kinds
     ((mu, dampening),) = values
+    if kind == "sgd" and not isinstance(optimizer, torch.optim.SGD):
+        kind = "other"
     return (kind if mu > 0 else "none"), mu, dampening
 
 
@@ -82,14 +95,13 @@ def resolve(rule: str, optimizer: Optimizer, *, owner: str, spike: bool = False)
     """
     if rule in ("inverse", "none"):
         return StalenessWeights(rule=rule)  # type: ignore[arg-type]
+    if rule == "auto" and not spike:
+        # "inverse" needs no coefficient: the groups may differ.
+        return StalenessWeights(rule="inverse") if has_momentum(optimizer) else StalenessWeights()
     kind, mu, dampening = optimizer_momentum(optimizer)
     if rule == "auto":
-        if kind == "none":
-            return StalenessWeights()
-        if not spike:
-            return StalenessWeights(rule="inverse")
         if kind == "sgd":
-            return StalenessWeights(rule="momentum", momentum=mu, dampening=dampening)
+            return _checked_for_spike(StalenessWeights(rule="momentum", momentum=mu, dampening=dampening), optimizer)
         return StalenessWeights()
     if rule == "momentum":
         if kind == "none":
@@ -97,13 +109,26 @@ def resolve(rule: str, optimizer: Optimizer, *, owner: str, spike: bool = False)
                 f"{owner}: staleness_rule='momentum' needs an optimizer with momentum (SGD momentum > 0, or Adam's "
                 f"beta1), but {type(optimizer).__name__} has none: use staleness_rule='inverse' or 'none'"
             )
-        if kind == "adam" and spike:
+        if spike and kind != "sgd":
             raise ValueError(
                 f"{owner}: staleness_rule='momentum' re-times late results with plain SGD steps, which needs "
                 f"torch.optim.SGD with momentum, not {type(optimizer).__name__}: use staleness_rule='auto' or 'none'"
             )
-        return StalenessWeights(rule="momentum", momentum=mu, dampening=dampening)
+        weights = StalenessWeights(rule="momentum", momentum=mu, dampening=dampening)
+        return _checked_for_spike(weights, optimizer) if spike else weights
     raise ValueError(f"{owner}: unknown staleness_rule {rule!r}")
+
+
+def _checked_for_spike(weights: StalenessWeights, optimizer: Optimizer) -> StalenessWeights:
+    """Refuses, at set-up, parameter groups without a numeric ``lr`` (the plain step needs it)."""
+    for i, group in enumerate(optimizer.param_groups):
+        lr = group.get("lr")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+            raise ValueError(
+                f"spike compensation needs each parameter group's learning rate as a number, group {i} has "
+                f"lr={lr!r}: use staleness_rule='none'"
+            )
+    return weights
 
 
 @torch.no_grad()

@@ -8,13 +8,17 @@ Specific to eager-SGD:
   gradient clipping and ``optimizer.step``, the gradients of the optimizer's
   parameters are handed to the engine (``arrive``); the round's result replaces
   them. The engine's communication thread issues the round's allreduces.
-* Unused parameters: beside the gradients, each rank contributes one more
-  small tensor, 1 per parameter whose gradient it has (``None`` is sent as
-  zeros). Its round sum is positive exactly for the parameters that some
-  contribution of the round used; the others get ``grad = None``, so that
-  the optimizer leaves them alone (no momentum, no weight decay), as DDP does
-  with globally unused parameters. It rides in the round's first buffer and
-  is read on the host only when this rank itself lacked a gradient.
+* Unused parameters (``find_unused_parameters=True``, as DDP's option of that
+  name): beside the gradients, each rank contributes one more small tensor,
+  1 per parameter whose gradient it has (``None`` is sent as zeros). Its round
+  sum is positive exactly for the parameters that some contribution of the
+  round used; the others get ``grad = None``, so that the optimizer leaves
+  them alone (no momentum, no weight decay), as DDP does with globally unused
+  parameters. It rides in the round's first buffer. It is read on the host
+  (a synchronisation on CUDA) unless this rank's own fresh gradient, with
+  every parameter's, is in the round, which makes every parameter used.
+  Without the option (default) a missing gradient is sent and applied as
+  zeros.
 * End of fit (main thread): ``flush()`` runs the final synchronous round on
   every engine; its result (carried gradients) is applied with one more
   optimizer step, so nothing computed is lost and all replicas end identical.
@@ -74,6 +78,11 @@ class EagerSGDStrategy(PartialStrategy):
             ``"none"``: the paper's rule, every gradient whole. What a weight
             withholds is counted per round (``RoundStats.discounted``,
             ``partial/discounted``). See :mod:`lightning_partial.collectives.staleness`.
+        find_unused_parameters: parameters that no contribution of a round used
+            keep ``grad = None`` (untouched by the optimizer, as under DDP with the
+            option of that name); costs one element per parameter in every round
+            and, on CUDA, a host synchronisation in rounds this rank's fresh
+            gradient missed. ``False`` (default): a missing gradient counts as zeros.
         timeout: bound on every wait of the engine and on process-group set-up.
         process_group_backend: default ``"nccl"`` on CUDA, ``"gloo"`` otherwise.
         start_method: ``"popen"`` (scripts, torchrun, SLURM) or ``"spawn"``.
@@ -99,6 +108,7 @@ class EagerSGDStrategy(PartialStrategy):
         sync_every: Optional[int] = None,
         max_staleness: Optional[int] = 2,
         staleness_rule: str = "auto",
+        find_unused_parameters: bool = False,
         seed: int = 0,
         timeout: timedelta = timedelta(minutes=30),
         process_group_backend: Optional[str] = None,
@@ -126,6 +136,9 @@ class EagerSGDStrategy(PartialStrategy):
             name="eager_sgd",
         )
         self.staleness_rule = compensation.check_rule(staleness_rule, owner=self.strategy_name)
+        if not isinstance(find_unused_parameters, bool):
+            raise ValueError(f"find_unused_parameters must be a bool, got {find_unused_parameters!r}")
+        self.find_unused_parameters = find_unused_parameters
         # Per optimizer index, resolved against the optimizers at set-up.
         self._staleness: dict[int, StalenessWeights] = {}
 
@@ -149,7 +162,7 @@ class EagerSGDStrategy(PartialStrategy):
             store=store,
             rank=self.global_rank,
             world_size=self.world_size,
-            like=[*params, self._presence(params, [True] * len(params))],
+            like=[*params, self._presence(params, [True] * len(params))] if self.find_unused_parameters else params,
         )
 
     # ------------------------------------------------------------- training
@@ -179,22 +192,29 @@ class EagerSGDStrategy(PartialStrategy):
 
     def _synchronise(self, index: int) -> None:
         params = self._params[index]
-        present = [p.grad is not None for p in params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        result = self._engines[index].arrive([*grads, self._presence(params, present)])
-        self._set_gradients(params, result.tensors, used_here=all(present))
+        if not self.find_unused_parameters:
+            result = self._engines[index].arrive(grads)
+            self._set_gradients(params, [*result.tensors, None], every_one_used=True)
+        else:
+            present = [p.grad is not None for p in params]
+            result = self._engines[index].arrive([*grads, self._presence(params, present)])
+            # This rank's fresh gradient with every parameter's in the round: every parameter is
+            # used, on every rank alike (the header says so to all), without reading the sums.
+            complete = all(present) and self.global_rank in result.stats.fresh
+            self._set_gradients(params, result.tensors, every_one_used=complete)
         result.release()
         self._record(index, result.stats)
 
     @staticmethod
-    def _set_gradients(params: list[torch.nn.Parameter], tensors: list[torch.Tensor], *, used_here: bool) -> None:
+    def _set_gradients(params: list[torch.nn.Parameter], tensors: list[Any], *, every_one_used: bool) -> None:
         """The round's gradients into ``p.grad``; ``None`` for a parameter no contribution of the round used.
 
-        ``used_here``: this rank had every gradient, so every parameter is used and
-        the presence sums need not be read (no host synchronisation on CUDA).
+        ``tensors``: the gradients, then the presence sums (or ``None``).
+        ``every_one_used``: every parameter is known to be used (the sums are not read).
         """
         *values, presence = tensors
-        used = [True] * len(params) if used_here else presence.gt(0).tolist()
+        used = [True] * len(params) if every_one_used else presence.gt(0).tolist()
         for p, g, u in zip(params, values, used):
             if not u:
                 p.grad = None  # globally unused in this round: untouched, as under DDP
@@ -209,14 +229,19 @@ class EagerSGDStrategy(PartialStrategy):
 
         That step goes through what every step goes through: the
         ``on_before_optimizer_step`` hooks and gradient clipping
-        (``_compat.before_optimizer_step``).
+        (``_compat.before_optimizer_step``). It runs in ``on_train_end``, after
+        the fit loop's last logging: a value ``self.log``-ged from those hooks
+        for this step reaches no logger.
         """
         result = engine.flush()
         if result.stats.contributions:
             optimizer = self.optimizers[index]
             for p in self._params[index]:
                 p.grad = None
-            self._set_gradients(self._params[index], result.tensors, used_here=False)
+            if self.find_unused_parameters:
+                self._set_gradients(self._params[index], result.tensors, every_one_used=False)
+            else:
+                self._set_gradients(self._params[index], [*result.tensors, None], every_one_used=True)
             _compat.before_optimizer_step(self.precision_plugin, self.lightning_module, optimizer)
             optimizer.step()
             optimizer.zero_grad()

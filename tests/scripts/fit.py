@@ -44,13 +44,13 @@ from lightning_partial.callbacks import AdaptiveBatchSize, GroupRotation, LoadIm
 
 
 class Regressor(L.LightningModule):
-    def __init__(self, batchnorm: bool = False, unused: bool = False) -> None:
+    def __init__(self, batchnorm: bool = False, unused: bool = False, rank0_only: bool = False) -> None:
         super().__init__()
         norm = [torch.nn.BatchNorm1d(16)] if batchnorm else []  # buffers that each replica updates itself
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), *norm, torch.nn.Tanh(), torch.nn.Linear(16, 1))
         # --unused: a layer no rank ever uses, and one that only rank 0 uses (on odd batches).
         self.unused = torch.nn.Linear(8, 1) if unused else None
-        self.rank0_only = torch.nn.Linear(8, 1) if unused else None
+        self.rank0_only = torch.nn.Linear(8, 1) if unused or rank0_only else None
         self.pid_dir: Path | None = None
         self.step_scheduler = False
         self.momentum = 0.0
@@ -175,6 +175,7 @@ def main() -> None:
     parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (the staleness rule reads it)")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="SGD weight decay")
     parser.add_argument("--unused", action="store_true", help="a layer no rank uses and one only rank 0 uses")
+    parser.add_argument("--rank0-only", action="store_true", help="only the layer rank 0 uses on odd batches")
     parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--save-at", type=int, default=None, help="save <out>/mid.ckpt after this many steps")
     parser.add_argument("--save-epoch", type=int, default=None, help="save <out>/mid.ckpt at this epoch's end")
@@ -187,7 +188,7 @@ def main() -> None:
     x = torch.randn(2048, 8, generator=g)
     y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(2048, 1, generator=g)
     loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
-    model = Regressor(batchnorm=args.batchnorm, unused=args.unused)
+    model = Regressor(batchnorm=args.batchnorm, unused=args.unused, rank0_only=args.rank0_only)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.step_scheduler = args.step_scheduler
     model.momentum = args.momentum
