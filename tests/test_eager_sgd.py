@@ -145,25 +145,26 @@ def test_killed_rank_ends_the_fit_with_a_clear_error(tmp_path):
     )
 
 
-@pytest.mark.timeout(300)
-def test_staleness_rule_under_momentum_keeps_replicas_identical_and_counts_what_it_withholds(tmp_path):
-    """SGD momentum 0.9, unbounded staleness, one straggler per step: the default rule ("auto") resolves to
-    "inverse", late gradients are weighted (their withheld share counted in the tracker's summary, the same
-    on every rank) and the replicas end bit-identical."""
+def fit_identical(out: Path, *options: str) -> list[dict]:
+    """A 4-process fit of tests/scripts/fit.py; asserts it succeeded with bit-identical replicas; the rank records."""
     import json
 
-    out = tmp_path / "run"
-    proc = subprocess.run(
-        fit_command(out, "--strategy", "eager_sgd", "--strategy-kw", '{"max_staleness": null}', "--momentum", "0.9",
-                    "--straggle-ms", "25", "--steps", "30", "--track"),
-        env=FIT_ENV, capture_output=True, text=True, timeout=240,
-    )
+    proc = subprocess.run(fit_command(out, *options), env=FIT_ENV, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     states = [torch.load(out / f"rank{r}.pt") for r in range(4)]
     for other in states[1:]:
         for key, value in states[0].items():
             assert torch.equal(value, other[key]), key
-    records = [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
+    return [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
+
+
+@pytest.mark.timeout(300)
+def test_staleness_rule_under_momentum_keeps_replicas_identical_and_counts_what_it_withholds(tmp_path):
+    """SGD momentum 0.9, unbounded staleness, one straggler per step: the default rule ("auto") resolves to
+    "inverse", late gradients are weighted (their withheld share counted in the tracker's summary, the same
+    on every rank) and the replicas end bit-identical."""
+    records = fit_identical(tmp_path / "run", "--strategy", "eager_sgd", "--strategy-kw", '{"max_staleness": null}',
+                            "--momentum", "0.9", "--straggle-ms", "25", "--steps", "30", "--track")
     assert all(r["staleness_weights"] == {"rule": "inverse", "momentum": 0.0, "dampening": 0.0} for r in records)
     summaries = [r["staleness"]["0"] for r in records]
     assert summaries[0]["staleness_max"] > 0, "no gradient was late: the test proves nothing"
@@ -181,26 +182,13 @@ def test_a_momentum_rule_without_momentum_fails_at_setup(tmp_path):
 @pytest.mark.timeout(300)
 def test_globally_unused_parameters_stay_untouched_as_under_ddp(tmp_path):
     """find_unused_parameters=True, SGD momentum 0.9 and weight decay: a layer no rank uses keeps its initial
-    weights (its grad stays None,
-    so neither decay nor momentum moves it), a layer only rank 0 uses on some batches is trained, and the
-    replicas end bit-identical; the same holds for DDP. eager_sgd's final flush step runs the
-    on_before_optimizer_step hooks (and gradient clipping) like every other step."""
-    import json
-
+    weights (its grad stays None, so neither decay nor momentum moves it), a layer only rank 0 uses on some
+    batches is trained, and the replicas end bit-identical; the same holds for DDP. eager_sgd's final flush
+    step runs the on_before_optimizer_step hooks (and gradient clipping) like every other step."""
     for strategy in ("eager_sgd", "ddp_find_unused_parameters_true"):
-        out = tmp_path / strategy
         kw = ["--strategy-kw", '{"find_unused_parameters": true}'] if strategy == "eager_sgd" else []
-        proc = subprocess.run(
-            fit_command(out, "--strategy", strategy, *kw, "--unused", "--momentum", "0.9", "--weight-decay", "0.01",
-                        "--straggle-ms", "30", "--steps", "12", "--clip", "0.5"),
-            env=FIT_ENV, capture_output=True, text=True, timeout=240,
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        states = [torch.load(out / f"rank{r}.pt") for r in range(4)]
-        for other in states[1:]:
-            for key, value in states[0].items():
-                assert torch.equal(value, other[key]), (strategy, key)
-        records = [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
+        records = fit_identical(tmp_path / strategy, "--strategy", strategy, *kw, "--unused", "--momentum", "0.9",
+                                "--weight-decay", "0.01", "--straggle-ms", "30", "--steps", "12", "--clip", "0.5")
         changed = records[0]["changed"]
         assert not any(k.startswith("unused.") for k in changed), (strategy, changed)
         assert {"rank0_only.weight", "rank0_only.bias", "net.0.weight"} <= set(changed), (strategy, changed)
@@ -217,15 +205,6 @@ def test_a_layer_one_late_rank_used_is_left_alone_alike_on_every_rank(tmp_path):
     """find_unused_parameters=True, one straggler per step: when rank 0 used a layer but its gradient missed the
     round, the others (who never use it) see no use of it in the round and leave it alone; rank 0 must do the
     same (it may not take its own complete gradient for the round's), or the replicas split."""
-    out = tmp_path / "run"
-    proc = subprocess.run(
-        fit_command(out, "--strategy", "eager_sgd", "--strategy-kw", '{"find_unused_parameters": true}',
-                    "--rank0-only", "--momentum", "0.9", "--weight-decay", "0.01", "--straggle-ms", "30",
-                    "--steps", "24", "--track"),
-        env=FIT_ENV, capture_output=True, text=True, timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    states = [torch.load(out / f"rank{r}.pt") for r in range(4)]
-    for other in states[1:]:
-        for key, value in states[0].items():
-            assert torch.equal(value, other[key]), key
+    fit_identical(tmp_path / "run", "--strategy", "eager_sgd", "--strategy-kw", '{"find_unused_parameters": true}',
+                  "--rank0-only", "--momentum", "0.9", "--weight-decay", "0.01", "--straggle-ms", "30", "--steps", "24",
+                  "--track")
