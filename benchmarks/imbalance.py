@@ -177,6 +177,13 @@ class Config:
     default: bool = True
 
 
+def _study(name: str, *options: tuple[str, Any], note: str = "") -> Config:
+    """A configuration of the staleness-rule study: ``EagerSGDStrategy(**options)`` under imbalance, run only
+    when ``--only`` names it, labelled by its options."""
+    label = "eager-SGD solo, " + ", ".join(f"{key}={value}" for key, value in options) + note
+    return Config(name, "eager_sgd", True, label, tuple(options), default=False)
+
+
 CONFIGS: dict[str, Config] = {
     c.name: c
     for c in (
@@ -198,63 +205,20 @@ CONFIGS: dict[str, Config] = {
         Config("eager_sgd_s1_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=1", (("max_staleness", 1),)),
         # The staleness-rule study (run when --only names them): the default rule ("auto": "inverse"
         # under momentum) against the paper's "none", at other bounds, and fresh-only rounds.
-        Config(
-            "eager_sgd_rule_none_imbalanced", "eager_sgd", True, "eager-SGD solo, staleness_rule=none",
-            (("staleness_rule", "none"),),
-            default=False,
-        ),
-        Config(
-            "eager_sgd_unbounded_none_imbalanced", "eager_sgd", True,
-            "eager-SGD solo, max_staleness=None, staleness_rule=none (the paper's)",
-            (("max_staleness", None), ("staleness_rule", "none")),
-            default=False,
-        ),
-        Config(
-            "eager_sgd_momentum_imbalanced", "eager_sgd", True, "eager-SGD solo, staleness_rule=momentum",
-            (("staleness_rule", "momentum"),),
-            default=False,
-        ),
-        Config(
-            "eager_sgd_unbounded_momentum_imbalanced", "eager_sgd", True,
-            "eager-SGD solo, max_staleness=None, staleness_rule=momentum",
-            (("max_staleness", None), ("staleness_rule", "momentum")),
-            default=False,
-        ),
-        Config(
-            "eager_sgd_s4_momentum_imbalanced", "eager_sgd", True,
-            "eager-SGD solo, max_staleness=4, staleness_rule=momentum",
-            (("max_staleness", 4), ("staleness_rule", "momentum")),
-            default=False,
-        ),
-        Config(
-            "eager_sgd_unbounded_inverse_imbalanced", "eager_sgd", True,
-            "eager-SGD solo, max_staleness=None, staleness_rule=inverse",
-            (("max_staleness", None), ("staleness_rule", "inverse")),
-            default=False,
-        ),
-        Config(
-            "eager_sgd_inverse_imbalanced", "eager_sgd", True, "eager-SGD solo, staleness_rule=inverse",
-            (("staleness_rule", "inverse"),),
-            default=False,
-        ),
-        Config(
-            "eager_sgd_s4_inverse_imbalanced", "eager_sgd", True,
-            "eager-SGD solo, max_staleness=4, staleness_rule=inverse",
-            (("max_staleness", 4), ("staleness_rule", "inverse")),
-            default=False,
-        ),
-        Config(
-            "eager_sgd_s6_inverse_imbalanced", "eager_sgd", True,
-            "eager-SGD solo, max_staleness=6, staleness_rule=inverse",
-            (("max_staleness", 6), ("staleness_rule", "inverse")),
-            default=False,
-        ),
+        _study("eager_sgd_rule_none_imbalanced", ("staleness_rule", "none")),
+        _study("eager_sgd_unbounded_none_imbalanced", ("max_staleness", None), ("staleness_rule", "none"),
+               note=" (the paper's)"),
+        _study("eager_sgd_momentum_imbalanced", ("staleness_rule", "momentum")),
+        _study("eager_sgd_unbounded_momentum_imbalanced", ("max_staleness", None), ("staleness_rule", "momentum")),
+        _study("eager_sgd_s4_momentum_imbalanced", ("max_staleness", 4), ("staleness_rule", "momentum")),
+        _study("eager_sgd_unbounded_inverse_imbalanced", ("max_staleness", None), ("staleness_rule", "inverse")),
+        _study("eager_sgd_inverse_imbalanced", ("staleness_rule", "inverse")),
+        _study("eager_sgd_s4_inverse_imbalanced", ("max_staleness", 4), ("staleness_rule", "inverse")),
+        _study("eager_sgd_s6_inverse_imbalanced", ("max_staleness", 6), ("staleness_rule", "inverse")),
         # Fresh-only rounds: a late gradient is dropped (and counted), the sum divided by the contributors.
-        Config(
-            "eager_sgd_unbounded_drop_imbalanced", "eager_sgd", True,
-            "eager-SGD solo, max_staleness=None, late=drop, normalize=contributors",
-            (("max_staleness", None), ("late", "drop"), ("normalize", "contributors"), ("staleness_rule", "none")),
-            default=False,
+        _study(
+            "eager_sgd_unbounded_drop_imbalanced",
+            ("max_staleness", None), ("late", "drop"), ("normalize", "contributors"), ("staleness_rule", "none"),
         ),
         Config("wagma_sgd_imbalanced", "wagma_sgd", True, "WAGMA-SGD (S=2, tau=10)"),
         Config("ds_sync_imbalanced", "ds_sync", True, "DS-Sync (G=2, max_staleness=4)"),

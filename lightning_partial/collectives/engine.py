@@ -866,13 +866,8 @@ class PartialAllreduce:
             if not deposits:
                 return self.layout.zeros()
             flats = deposits[0].flats
-            if deposits[0].weight != 1.0:
-                for f in flats:
-                    f.mul_(deposits[0].weight)
+            self._accumulate(flats, deposits)
             for d in deposits[1:]:
-                for acc, f in zip(flats, d.flats):
-                    # alpha only when weighted: integer buffers refuse a float alpha.
-                    acc.add_(f) if d.weight == 1.0 else acc.add_(f, alpha=d.weight)
                 self.layout.recycle(d.flats)
             return flats
         with torch.cuda.stream(self._stream):  # pragma: no cover - needs GPUs
@@ -885,14 +880,19 @@ class PartialAllreduce:
                 for f in d.flats:
                     f.record_stream(self._stream)
             flats = [f.clone() for f in deposits[0].flats]
-            if deposits[0].weight != 1.0:
-                for f in flats:
-                    f.mul_(deposits[0].weight)
-            for d in deposits[1:]:
-                for acc, f in zip(flats, d.flats):
-                    # alpha only when weighted: integer buffers refuse a float alpha.
-                    acc.add_(f) if d.weight == 1.0 else acc.add_(f, alpha=d.weight)
+            self._accumulate(flats, deposits)
             return flats
+
+    @staticmethod
+    def _accumulate(flats: list[Tensor], deposits: list[_Deposit]) -> None:
+        """``flats`` (a copy of ``deposits[0]``'s, or its own) becomes the weighted sum of the deposits, in place."""
+        if deposits[0].weight != 1.0:
+            for f in flats:
+                f.mul_(deposits[0].weight)
+        for d in deposits[1:]:
+            for acc, f in zip(flats, d.flats):
+                # alpha only when weighted: integer buffers refuse a float alpha.
+                acc.add_(f) if d.weight == 1.0 else acc.add_(f, alpha=d.weight)
 
     def _start(self, pg: Any, tensor: Tensor, r: int, what: str) -> Any:
         try:

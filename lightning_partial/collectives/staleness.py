@@ -83,7 +83,9 @@ class StalenessWeights:
                 "without momentum"
             )
         if self.rule != "momentum" and (self.momentum or self.dampening):
-            raise ValueError(f"staleness momentum/dampening are only meaningful with rule 'momentum' (rule={self.rule!r})")
+            raise ValueError(
+                f"staleness momentum/dampening are only meaningful with rule 'momentum' (rule={self.rule!r})"
+            )
 
     @property
     def active(self) -> bool:

@@ -97,8 +97,9 @@ class ABSSGDStrategy(PartialStrategy):
             late. On a quadratic with ``mu = 0.9`` this raises the largest stable
             learning rate 2.5-fold over feeding the late result whole (see
             :mod:`lightning_partial.collectives.staleness`). Gradient clipping
-            sees the weighted gradient; the plain step follows the clipped one. Refused for an optimizer without momentum
-            or an Adam-like one (Adam's running scale has no such plain step).
+            sees the weighted gradient; the plain step follows the clipped one.
+            Refused for any optimizer but ``torch.optim.SGD`` with momentum (Adam's or
+            RMSprop's running scale has no such plain step).
             ``"inverse"``: the result is halved (weight ``1 / (1 + 1)``).
             ``"none"``: every result whole (the paper's rule).
         shuffle, seed: the elastic sampler's shuffling (as ``DistributedSampler``'s).
@@ -173,10 +174,8 @@ class ABSSGDStrategy(PartialStrategy):
                 f"abs_sgd accumulates micro-batches itself: Trainer(accumulate_grad_batches="
                 f"{trainer.accumulate_grad_batches}) must be 1"
             )
-        self._staleness = {
-            i: compensation.resolve(self.staleness_rule, opt, owner=self.strategy_name, spike=True)
-            for i, opt in enumerate(self.optimizers)
-        }
+        self._staleness = compensation.resolve_all(self.staleness_rule, self.optimizers, owner=self.strategy_name,
+                                                   spike=True)
         for cb in trainer.checkpoint_callbacks:
             if isinstance(cb, ModelCheckpoint) and (cb._every_n_train_steps or cb._train_time_interval):
                 raise ValueError(
@@ -332,8 +331,8 @@ class ABSSGDStrategy(PartialStrategy):
             optimizer.step()
             if spike:
                 # From the gradients as clipped (weight * g after clipping): the same direction and scale.
-                grads = [p.grad for p in params if p.grad is not None]
-                compensation.apply_spike(optimizer, [p for p in params if p.grad is not None], grads, spike / weight)
+                stepped = [p for p in params if p.grad is not None]
+                compensation.apply_spike(optimizer, stepped, [p.grad for p in stepped], spike / weight)
             if step_schedulers:
                 # Per round, not per batch: every rank then steps its schedulers at the same rounds.
                 _compat.step_round_schedulers(self.lightning_module.trainer, optimizer, result.stats.round_index)

@@ -41,13 +41,18 @@ def check_rule(rule: object, *, owner: str) -> str:
     return rule
 
 
+def _group_coefficients(group: dict) -> tuple[str, float, float]:
+    """``(kind, mu, dampening)`` of one group: ``"sgd"`` (``momentum``), ``"adam"`` (``betas``) or ``"none"``."""
+    if "momentum" in group:
+        return "sgd", float(group["momentum"]), float(group.get("dampening", 0.0))
+    if "betas" in group:
+        return "adam", float(group["betas"][0]), 0.0
+    return "none", 0.0, 0.0
+
+
 def has_momentum(optimizer: Optimizer) -> bool:
     """Whether any parameter group has a momentum coefficient > 0 (``momentum``, or ``betas[0]``)."""
-    for group in optimizer.param_groups:
-        mu = group.get("momentum", group["betas"][0] if "betas" in group else 0.0)
-        if float(mu) > 0:
-            return True
-    return False
+    return any(_group_coefficients(group)[1] > 0 for group in optimizer.param_groups)
 
 
 def optimizer_momentum(optimizer: Optimizer) -> tuple[str, float, float]:
@@ -59,18 +64,9 @@ def optimizer_momentum(optimizer: Optimizer) -> tuple[str, float, float]:
     so no plain step re-times it); ``"none"``: no momentum. Raises ``ValueError``
     if the groups disagree.
     """
-    kinds = set()
-    values = set()
-    for group in optimizer.param_groups:
-        if "momentum" in group:
-            kinds.add("sgd")
-            values.add((float(group["momentum"]), float(group.get("dampening", 0.0))))
-        elif "betas" in group:
-            kinds.add("adam")
-            values.add((float(group["betas"][0]), 0.0))
-        else:
-            kinds.add("none")
-            values.add((0.0, 0.0))
+    per_group = [_group_coefficients(group) for group in optimizer.param_groups]
+    kinds = {kind for kind, _, _ in per_group}
+    values = {(mu, dampening) for _, mu, dampening in per_group}
     if len(kinds) != 1 or len(values) != 1:
         raise ValueError(
             f"the staleness rule needs one momentum coefficient for all parameter groups of "
@@ -129,6 +125,13 @@ def _checked_for_spike(weights: StalenessWeights, optimizer: Optimizer) -> Stale
                 f"lr={lr!r}: use staleness_rule='none'"
             )
     return weights
+
+
+def resolve_all(
+    rule: str, optimizers: Sequence[Optimizer], *, owner: str, spike: bool = False
+) -> dict[int, StalenessWeights]:
+    """:func:`resolve` for each optimizer, by index (a strategy's set-up)."""
+    return {i: resolve(rule, opt, owner=owner, spike=spike) for i, opt in enumerate(optimizers)}
 
 
 @torch.no_grad()

@@ -43,7 +43,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_partial import _compat
-from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundStats
+from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundResult, RoundStats
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.strategies import compensation
 from lightning_partial.strategies.partial import PartialStrategy
@@ -147,18 +147,13 @@ class EagerSGDStrategy(PartialStrategy):
         super().setup(trainer)
         # After the optimizers exist, before any rank trains: a rule the optimizer
         # cannot serve fails here.
-        self._staleness = {
-            i: compensation.resolve(self.staleness_rule, opt, owner=self.strategy_name)
-            for i, opt in enumerate(self.optimizers)
-        }
+        self._staleness = compensation.resolve_all(self.staleness_rule, self.optimizers, owner=self.strategy_name)
 
     @override
     def _build_engine(self, index: int, params: list[torch.nn.Parameter], store: dist.Store) -> PartialAllreduce:
-        weights = self._staleness.get(index)
-        if weights is None:
-            weights = compensation.resolve(self.staleness_rule, self.optimizers[index], owner=self.strategy_name)
         return PartialAllreduce(
-            replace(self.partial_config, name=f"eager_sgd-{index}", staleness=weights),
+            # Resolved in setup(), which every fit runs before on_train_start builds the engines.
+            replace(self.partial_config, name=f"eager_sgd-{index}", staleness=self._staleness[index]),
             store=store,
             rank=self.global_rank,
             world_size=self.world_size,
@@ -192,29 +187,28 @@ class EagerSGDStrategy(PartialStrategy):
 
     def _synchronise(self, index: int) -> None:
         params = self._params[index]
+        present = [p.grad is not None for p in params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        if not self.find_unused_parameters:
-            result = self._engines[index].arrive(grads)
-            self._set_gradients(params, [*result.tensors, None], every_one_used=True)
-        else:
-            present = [p.grad is not None for p in params]
-            result = self._engines[index].arrive([*grads, self._presence(params, present)])
-            # This rank's fresh gradient with every parameter's in the round: every parameter is
-            # used, on every rank alike (the header says so to all), without reading the sums.
-            complete = all(present) and self.global_rank in result.stats.fresh
-            self._set_gradients(params, result.tensors, every_one_used=complete)
+        extra = [self._presence(params, present)] if self.find_unused_parameters else []
+        result = self._engines[index].arrive([*grads, *extra])
+        # This rank's fresh gradient with every parameter's in the round: every parameter is
+        # used, on every rank alike (the header says so to all), without reading the sums.
+        self._set_gradients(params, result, known_used=all(present) and self.global_rank in result.stats.fresh)
         result.release()
         self._record(index, result.stats)
 
-    @staticmethod
-    def _set_gradients(params: list[torch.nn.Parameter], tensors: list[Any], *, every_one_used: bool) -> None:
-        """The round's gradients into ``p.grad``; ``None`` for a parameter no contribution of the round used.
+    def _set_gradients(self, params: list[torch.nn.Parameter], result: RoundResult, *, known_used: bool) -> None:
+        """The round's gradients into ``p.grad``; with ``find_unused_parameters``, ``None`` for a parameter
+        no contribution of the round used.
 
-        ``tensors``: the gradients, then the presence sums (or ``None``).
-        ``every_one_used``: every parameter is known to be used (the sums are not read).
+        ``known_used``: every parameter is known to be used (the presence sums are not read).
         """
-        *values, presence = tensors
-        used = [True] * len(params) if every_one_used else presence.gt(0).tolist()
+        values = result.tensors
+        used = [True] * len(params)
+        if self.find_unused_parameters:
+            *values, presence = values
+            if not known_used:
+                used = presence.gt(0).tolist()
         for p, g, u in zip(params, values, used):
             if not u:
                 p.grad = None  # globally unused in this round: untouched, as under DDP
@@ -238,10 +232,7 @@ class EagerSGDStrategy(PartialStrategy):
             optimizer = self.optimizers[index]
             for p in self._params[index]:
                 p.grad = None
-            if self.find_unused_parameters:
-                self._set_gradients(self._params[index], result.tensors, every_one_used=False)
-            else:
-                self._set_gradients(self._params[index], [*result.tensors, None], every_one_used=True)
+            self._set_gradients(self._params[index], result, known_used=False)
             _compat.before_optimizer_step(self.precision_plugin, self.lightning_module, optimizer)
             optimizer.step()
             optimizer.zero_grad()
