@@ -57,20 +57,44 @@ medians, each repeat's figures and the host's steal time per fit, and a fit
 during which the host stole more than ``--max-steal`` (5%) of the CPU runs
 again (a shared VM's noise moved single runs by up to 50%).
 
-Run: ``.venv/bin/python benchmarks/heterogeneity.py`` (about 5-6 minutes, on an idle machine).
+``--threads N`` (default 1) gives every rank ``N`` intra-op threads
+(``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``, ``torch.set_num_threads``): on 2
+cores the 4 single-thread ranks pay gloo's CPU out of their compute; with 16
+cores and ``--threads 3`` they do not. ``LoadImbalance(speed=...)`` measures a
+rank's compute as its training thread's CPU time and warns when torch runs
+more than one thread. That CPU time still tracks the compute's wall time, though,
+as long as the cores are not oversubscribed: the training thread takes its
+share of every parallel region and spins at its end barrier. On this machine,
+with 2 threads, one process alone: 1.00 of the wall time for both tasks. So
+the slowdown is what ``speed`` asks, in wall time, which is what a slower device
+shows. With ``--threads`` > 1 each rank checks this before its fit: 20 steps
+of its model on one micro-batch, wall time against the training thread's CPU
+time (``clock_check`` in the JSON, ``main_cpu_share`` near 1 as it should be;
+printed at the end). With ``--thread-cpu`` the role ``other`` then holds the
+intra-op threads too. The JSON records ``threads`` and the environment (cores,
+versions).
+
+The package need not be installed: the fits' processes get the repository's
+root on ``PYTHONPATH``; matplotlib is optional (without it, no PNG).
+
+Run: ``.venv/bin/python benchmarks/heterogeneity.py`` (about 5-6 minutes, on an idle machine);
+``python3 benchmarks/heterogeneity.py --threads 3 --out benchmarks/results/heterogeneity_16core.json`` on 16 cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import math
 import os
+import platform
 import subprocess
 import sys
 import threading
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +104,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from imbalance import (  # noqa: E402
+    IN_DIM,
     BatchDataset,
     add_steal_arguments,
     batch_collate,
@@ -87,8 +112,11 @@ from imbalance import (  # noqa: E402
     cpu_ticks,
     evaluate,
     make_task,
+    positive_int,
     retry_while_stolen,
+    set_threads,
     steal_between,
+    thread_environment,
 )
 
 SPEED = (1.0, 1.0, 0.5, 0.25)
@@ -138,9 +166,42 @@ def image_task(seed: int, train_samples: int, workdir: Path) -> dict[str, torch.
     return task
 
 
+def clock_check(args: argparse.Namespace, steps: int = 20) -> dict[str, float]:
+    """Wall time against the training thread's CPU time over ``steps`` forward + backward + SGD steps of a
+    throwaway copy of the model on one random micro-batch (after 5 warm-up steps).
+
+    ``LoadImbalance(speed=...)`` sleeps in proportion to the training thread's CPU time: with several
+    intra-op threads that is the compute's wall time only while the training thread stays busy (its share of
+    each parallel region, then spinning at the barrier). ``main_cpu_share`` near 1 says the emulated
+    slowdown is the one asked for.
+    """
+    net = build_mlp(512, 3) if args.model == "mlp" else build_cnn()
+    shape = (IN_DIM,) if args.model == "mlp" else (3, IMAGE_SIZE, IMAGE_SIZE)
+    x = torch.randn(micro_batch(args, args.run), *shape)
+    y = torch.randint(0, 10, (len(x),))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        optimizer.step()
+
+    for _ in range(5):
+        step()
+    wall, main, process = time.perf_counter(), time.thread_time(), time.process_time()
+    for _ in range(steps):
+        step()
+    wall, main, process = (time.perf_counter() - wall, time.thread_time() - main, time.process_time() - process)
+    return {"step_wall_ms": wall / steps * 1e3, "step_main_cpu_ms": main / steps * 1e3,
+            "step_process_cpu_ms": process / steps * 1e3, "main_cpu_share": main / wall}
+
+
 def run_worker(args: argparse.Namespace) -> int:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+    set_threads(args.threads)
+    if str(HERE.parent) not in sys.path:  # lightning_partial from a checkout (the parent also sets PYTHONPATH)
+        sys.path.append(str(HERE.parent))
+    # Before the fit (and the seed): rank 0 alone, then ranks 1-3 while rank 0 waits for them.
+    checked = clock_check(args) if args.threads > 1 else None
     import lightning as L
     from lightning.pytorch.plugins.environments import LightningEnvironment
 
@@ -238,6 +299,8 @@ def run_worker(args: argparse.Namespace) -> int:
         "test_acc": test_acc,
         "steal_fraction": steal,  # of the machine's CPU while this rank trained (/proc/stat is machine-wide)
         "thread_cpu_s": cpu_by_role(clock.cpu_first, clock.cpu_last) if args.thread_cpu else None,
+        "clock_check": checked,
+        "torch_threads": torch.get_num_threads(),  # as the fit ran: --threads
     }
     path = args.workdir / f"{args.run}.rank{trainer.global_rank}.json"
     path.with_suffix(".tmp").write_text(json.dumps(record))
@@ -336,7 +399,7 @@ def worker_command(args: argparse.Namespace, name: str) -> list[str]:
             *[item for option, value in optional.items() if value is not None for item in (option, str(value))],
             "--adaptive" if args.adaptive else "--no-adaptive", "--lr", str(args.lr),
             "--momentum", str(args.momentum), "--staleness-rule", args.staleness_rule,
-            "--abs-epochs", str(args.abs_epochs),
+            "--abs-epochs", str(args.abs_epochs), "--threads", str(args.threads),
             *(["--thread-cpu"] if args.thread_cpu else [])]
 
 
@@ -345,7 +408,7 @@ def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     for stale in args.workdir.glob(f"{name}.rank*.json"):
         stale.unlink()
     subprocess.run(worker_command(args, name), check=True, timeout=900,
-                   env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+                   env={**os.environ, **thread_environment(args.threads), "PYTHONWARNINGS": "ignore"})
     files = [args.workdir / f"{name}.rank{r}.json" for r in range(4)]
     # The launcher (rank 0) may exit before the other ranks wrote (no_comm ends without a barrier).
     deadline = time.monotonic() + 60
@@ -372,6 +435,8 @@ def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "test_loss": ranks[0]["test_loss"],
         "global_step": ranks[0]["global_step"],
         "thread_cpu_s": [r.get("thread_cpu_s") for r in ranks],
+        "clock_check": [r.get("clock_check") for r in ranks],
+        "torch_threads": [r["torch_threads"] for r in ranks],
         "steal_fraction": max(steals) if steals else None,  # the worst rank's training interval
         "curve": curve,
     }
@@ -438,8 +503,21 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             "interval": args.interval, "requesters": args.requesters, "reference_samples": args.reference_samples,
             "adaptive": args.adaptive,
             "abs_epochs": args.abs_epochs, "steps": args.steps, "batch_size": args.batch_size,
-            "abs_batch_size": args.abs_batch_size, "repeats": args.repeats, "results": results,
-            "summary": summary}
+            "abs_batch_size": args.abs_batch_size, "repeats": args.repeats, "threads": args.threads,
+            "environment": environment(args), "results": results, "summary": summary}
+
+
+def environment(args: argparse.Namespace) -> dict[str, Any]:
+    """Where the figures come from: cores, threads per rank, versions, the load before the run."""
+    def version(package: str) -> str | None:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"cpus": os.cpu_count(), "ranks": 4, "threads_per_rank": args.threads, "torch": torch.__version__,
+            "lightning": version("lightning"), "python": platform.python_version(), "platform": platform.platform(),
+            "load_average_at_start": args.load_average}
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -452,7 +530,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     names = list(CONFIGS)
     a.bar(names, [report["results"][n]["samples_per_s"] for n in names], color=["#888", "#2a7", "#ccc"])
     a.set_ylabel("samples/s (all ranks)")
-    a.set_title(f"speeds {tuple(report['speed'])}")
+    threads = report.get("threads", 1)
+    a.set_title(f"speeds {tuple(report['speed'])}; 4 ranks x {threads} thread{'s' if threads > 1 else ''}, "
+                f"{os.cpu_count()} cores", fontsize=9)
     for n in ("ddp", "abs_sgd"):
         curve = report["results"][n]["curve"]
         b.plot([t for t, _ in curve], [x for _, x in curve], label=n)
@@ -505,6 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--thread-cpu", action="store_true",
                         help="record each rank's CPU seconds by thread (training loop, communication thread, "
                              "gloo and store threads) from /proc; reads /proc at every batch")
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="intra-op threads of every rank (default 1; e.g. 3 on 16 cores)")
     parser.add_argument("--run", choices=CONFIGS, default=None, help=argparse.SUPPRESS)
     return parser
 
@@ -519,12 +601,17 @@ def main() -> int:
     if args.run is not None:
         return run_worker(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args.load_average = os.getloadavg() if hasattr(os, "getloadavg") else None
     report = run_parent(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     slim = {**report, "results": {k: {kk: vv for kk, vv in v.items() if kk != "curve"}
                                   for k, v in report["results"].items()}}
     args.out.write_text(json.dumps(slim, indent=1))
-    plot(report, args.out.with_suffix(".png"))
+    if importlib.util.find_spec("matplotlib") is None:
+        logging.warning("matplotlib is not installed: no plot (%s)", args.out.with_suffix(".png"))
+    else:
+        plot(report, args.out.with_suffix(".png"))
+    logging.info("wrote %s", args.out)
     def fmt(value: Any, spec: str) -> str:
         return format(value, spec) if value is not None else "-"
 
@@ -542,6 +629,12 @@ def main() -> int:
         per_round = {role: 1e3 * sum(c[role] for c in abs_cpu) / len(abs_cpu) / max(rounds, 1) for role in abs_cpu[0]}
         print("abs_sgd CPU per rank and round (ms; run with the median throughput): "
               + ", ".join(f"{role} {ms:.2f}" for role, ms in per_round.items()))
+    checks = [c for name in CONFIGS for run in report["results"][name]["runs"] for c in run["clock_check"] if c]
+    if checks:
+        shares = sorted(c["main_cpu_share"] for c in checks)
+        print(f"{len(checks)} rank clock checks ({args.threads} threads): training thread CPU / wall "
+              f"min {shares[0]:.2f}, median {shares[len(shares) // 2]:.2f}, max {shares[-1]:.2f} "
+              "(near 1: the speed factors' slowdown is as asked)")
     own = medians["no_comm"]["samples_per_s_own_intervals"]
     print(f"bound over each rank's own interval (the earlier definition): {own:.0f} samples/s; "
           f"abs_sgd {medians['abs_sgd']['samples_per_s'] / own:.2f}x it")

@@ -52,12 +52,23 @@ single-thread forward + backward + step on this machine).
 ``D`` before its forward pass. ``D = 2 x`` the mean per-step compute time of a
 rank *as it runs in these fits*: 4 ranks share 2 cores here, so a rank's step
 takes at least twice its single-process time. The parent calibrates it by
-running the model's forward + backward + SGD step (``torch.set_num_threads(1)``)
+running the model's forward + backward + SGD step (``torch.set_num_threads(N)``, ``--threads``)
 in 4 concurrent processes (median of 5 short rounds; the single-process figure
 is reported beside it); ``--delay-ms`` overrides it. A sleeping rank frees CPU
 for the other three, so on this machine the fast ranks compute faster while a
 straggler sleeps; that is a property of the shared CPU, not of the algorithms,
 and it affects every imbalanced configuration alike.
+
+**Threads.** ``--threads N`` (default 1) gives every rank, and each
+calibration process (which models the ranks as they run), ``N`` intra-op
+threads (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``, ``torch.set_num_threads``).
+With 1 thread per rank and fewer cores than ranks (4 ranks on 2 cores here),
+gloo's CPU per collective comes out of the ranks' compute; on a machine with
+at least ``4 x N`` cores plus a few for the communication threads (e.g. 16
+cores, ``--threads 3``) it no longer does. The injected imbalance is a fixed
+sleep of ``D`` (``LoadImbalance(delay_ms=...)``), whatever the thread count:
+the callback measures compute only for ``speed`` factors, which are not used
+here. ``threads`` is recorded in the JSON (``settings`` and ``environment``).
 
 **Measurements** (per rank, then summarised): the wall time of the training
 steps, from the rank's first ``on_train_batch_start`` (before the injected
@@ -110,6 +121,10 @@ Usage::
     python benchmarks/imbalance.py                                  # every configuration (~10-12 min)
     python benchmarks/imbalance.py --steps 40 --only ddp_balanced,eager_sgd_balanced
     python benchmarks/imbalance.py --repeats 3                      # medians [min-max] of 3 runs
+    python benchmarks/imbalance.py --threads 3 --out benchmarks/results/imbalance_16core.json  # 16 cores
+
+The package need not be installed: the fits' processes get the repository's
+root on ``PYTHONPATH``.
 
 Writes ``benchmarks/results/imbalance.json`` (every figure, per rank and per
 run, plus the environment) and ``benchmarks/results/imbalance.png``. The figures
@@ -121,6 +136,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import inspect
 import json
 import logging
@@ -354,12 +370,32 @@ def parameter_digest(params: list[torch.nn.Parameter]) -> float:
 
 
 # ---------------------------------------------------------------------- calibration
+def set_threads(threads: int) -> None:
+    """``threads`` intra-op threads in this process (and in the processes it starts, through the environment)."""
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+def thread_environment(threads: int) -> dict[str, str]:
+    """Environment of a fit's processes: ``threads`` intra-op threads, and the repository's root importable.
+
+    The root on ``PYTHONPATH``: a plain checkout where ``lightning_partial`` is
+    not installed works too (a script's own folder, not the working directory,
+    is what Python puts on ``sys.path``); Lightning's launcher hands the
+    environment on to ranks 1-3.
+    """
+    path = os.environ.get("PYTHONPATH", "")
+    return {
+        "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+        "PYTHONPATH": str(REPO) + (os.pathsep + path if path else ""),
+    }
+
+
 def _calibration_process(
-    batch_size: int, width: int, depth: int, steps: int, rounds: int, barrier: Any, queue: Any
+    batch_size: int, width: int, depth: int, steps: int, rounds: int, barrier: Any, queue: Any, threads: int = 1
 ) -> None:
-    """One calibration process: mean wall time of forward + backward + SGD step, 1 thread, per round."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+    """One calibration process: mean wall time of forward + backward + SGD step, ``threads`` threads, per round."""
+    set_threads(threads)
     torch.manual_seed(0)
     net = build_mlp(width, depth)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
@@ -384,7 +420,8 @@ def _calibration_process(
 
 
 def calibrate(
-    batch_size: int, width: int, depth: int, steps: int = 15, rounds: int = 5, timeout: float = 120.0
+    batch_size: int, width: int, depth: int, steps: int = 15, rounds: int = 5, timeout: float = 120.0,
+    threads: int = 1,
 ) -> dict[str, Any]:
     """Per-step compute time, alone and with ``WORLD`` processes competing for the cores as the ranks do.
 
@@ -399,7 +436,7 @@ def calibrate(
         workers = [
             ctx.Process(
                 target=_calibration_process,
-                args=(batch_size, width, depth, steps, rounds, barrier, queue),
+                args=(batch_size, width, depth, steps, rounds, barrier, queue, threads),
                 daemon=True,
             )
             for _ in range(procs)
@@ -417,6 +454,7 @@ def calibrate(
         result[f"{key}_ms"] = statistics.median(per_round)
         result[f"{key}_rounds_ms"] = [round(x, 2) for x in per_round]
     result["concurrent_processes"] = WORLD
+    result["threads_per_process"] = threads
     result["cores"] = os.cpu_count() or 0
     return result
 
@@ -591,9 +629,10 @@ def _make_strategy(config: Config, args: argparse.Namespace) -> Any:
 def run_worker(args: argparse.Namespace) -> int:
     """Worker mode (``--run CONFIG``): one rank of one 4-process fit; writes ``<workdir>/<tag>.rank<R>.json``."""
     t_process = time.perf_counter()
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+    set_threads(args.threads)
     sys.path.insert(0, str(HERE))  # baselines.py, also when this file runs as a module
+    if str(REPO) not in sys.path:  # lightning_partial from a checkout (the parent also sets PYTHONPATH)
+        sys.path.append(str(REPO))
     import lightning as L
     from lightning.pytorch.plugins.environments import LightningEnvironment
 
@@ -667,6 +706,7 @@ def run_worker(args: argparse.Namespace) -> int:
         "train_eval_loss": train_loss,
         "train_eval_acc": train_acc,
         "strategy_class": type(trainer.strategy).__name__,
+        "torch_threads": torch.get_num_threads(),  # as the fit ran: --threads
         "default_group_collectives": dict(counter.calls),
         "collectives_at_batch_end": recorder.collectives_at_batch_end,
         "collectives_total": sum(counter.calls.values()),
@@ -721,10 +761,10 @@ def run_fit(config: Config, tag: str, args: argparse.Namespace, delay_ms: float)
         "--depth", str(args.depth), "--lr", repr(args.lr), "--momentum", repr(args.momentum),
         "--schedule", args.schedule, "--optimizer", args.optimizer,
         "--localsgd-warmup", str(args.localsgd_warmup), "--averaging-period", str(args.averaging_period),
-        "--digest-steps", str(args.digest_steps),
+        "--digest-steps", str(args.digest_steps), "--threads", str(args.threads),
     ]
     env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(thread_environment(args.threads), PYTHONUNBUFFERED="1")
     log_path = args.workdir / f"{tag}.log"
     paths = [args.workdir / f"{tag}.rank{r}.json" for r in range(WORLD)]
     for stale in paths:  # a reused --workdir must not hand back an earlier run's records
@@ -843,6 +883,7 @@ def summarise_run(config: Config, ranks: list[dict], args: argparse.Namespace) -
         "collectives_per_step_rank0": _per_step(r0["collectives_at_batch_end"], r0["collectives_total"]),
         "eager_rounds_per_rank": [_round_summary(r["rounds"]) for r in ranks],
         "strategy_class": r0["strategy_class"],
+        "torch_threads_per_rank": [r["torch_threads"] for r in ranks],
         # Rank 0's loss against its own elapsed training time, for the plot.
         "curve_rank0": {"t_s": r0["step_ends_s"], "loss": r0["losses"]},
     }
@@ -965,7 +1006,7 @@ def print_table(results: dict[str, dict], repeats: int) -> None:
                 print(f"{g['figure']:<{width}}  {_fmt(g['value'], '.3f'):>7}   goal {g['goal']}")
 
 
-def plot(results: dict[str, dict], path: Path, delay_ms: float) -> None:
+def plot(results: dict[str, dict], path: Path, delay_ms: float, threads: int = 1) -> None:
     """Throughput normalised to DDP (same balance), test accuracy, and rank 0's loss against time."""
     import matplotlib
 
@@ -982,7 +1023,8 @@ def plot(results: dict[str, dict], path: Path, delay_ms: float) -> None:
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(range(len(names)), labels, rotation=35, ha="right", fontsize=8)
     ax.set_ylabel("total samples/s / DDP (same balance)")
-    ax.set_title(f"Throughput, 4 CPU ranks (D = {delay_ms:.0f} ms)")
+    where = f"{WORLD} CPU ranks x {threads} thread{'s' if threads > 1 else ''}, {os.cpu_count()} cores"
+    ax.set_title(f"Throughput, {where} (D = {delay_ms:.0f} ms)", fontsize=10)
     for i, r in enumerate(ratios):
         if not math.isnan(r):
             ax.text(i, r, f"{r:.2f}", ha="center", va="bottom", fontsize=8)
@@ -1026,6 +1068,7 @@ def _environment(args: argparse.Namespace, model_parameters: int) -> dict[str, A
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "ranks": WORLD,
+        "threads_per_rank": args.threads,
         "backend": "gloo",
         "model": f"MLP {IN_DIM}-" + "-".join([str(args.width)] * args.depth) + f"-{CLASSES}",
         "model_parameters": model_parameters,
@@ -1049,10 +1092,11 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
 
     calibration: dict[str, Any]
     if args.delay_ms is None:
-        calibration = calibrate(args.batch_size, args.width, args.depth)
+        calibration = calibrate(args.batch_size, args.width, args.depth, threads=args.threads)
         delay_ms = 2.0 * calibration["concurrent_ms"]
         calibration["method"] = (
-            f"mean step time (forward + backward + SGD step, batch {args.batch_size}, 1 thread) of {WORLD} "
+            f"mean step time (forward + backward + SGD step, batch {args.batch_size}, {args.threads} "
+            f"thread{'s' if args.threads > 1 else ''}) of {WORLD} "
             f"concurrent processes on {env['cpus']} cores, as the {WORLD} ranks compete in the fits; D = 2 x that"
         )
     else:
@@ -1103,6 +1147,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
         "environment": env,
         "settings": {
             "steps": args.steps, "batch_size": args.batch_size, "repeats": args.repeats, "seed": args.seed,
+            "threads": args.threads,
             "max_steal": args.max_steal, "steal_retries": args.steal_retries,
             "lr": args.lr, "momentum": args.momentum, "schedule": args.schedule, "optimizer": args.optimizer,
             "width": args.width, "depth": args.depth,
@@ -1134,8 +1179,11 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     png = args.out.with_suffix(".png")
     written = [str(args.out)]
     if any(e["runs"] for e in results.values()):
-        plot(results, png, delay_ms)
-        written.append(str(png))
+        if importlib.util.find_spec("matplotlib") is None:
+            log.warning("matplotlib is not installed: no plot (%s)", png)
+        else:
+            plot(results, png, delay_ms, args.threads)
+            written.append(str(png))
     log.info(
         "D = %.1f ms (%s); %d steps x batch %d per rank; model %s (%d parameters)",
         delay_ms, calibration["method"], args.steps, args.batch_size, env["model"], model_parameters,
@@ -1143,6 +1191,14 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     log.info("wrote %s", " and ".join(written))
     print_table(results, args.repeats)
     return summary
+
+
+def positive_int(value: str) -> int:
+    """argparse type: an int >= 1 (``--threads``)."""
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1154,6 +1210,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=HERE / "results" / "imbalance.json", help="JSON; the PNG goes beside it")
     parser.add_argument("--delay-ms", type=float, default=None, help="straggler delay D (default: 2 x calibrated step)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per fit before its process group is killed")
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="intra-op threads of every rank and calibration process (default 1)")
     parser.add_argument("--seed", type=int, default=0)
     add_steal_arguments(parser)
     parser.add_argument("--width", type=int, default=512)

@@ -13,6 +13,7 @@ import threading
 from typing import Any, Callable
 
 from lightning.fabric.utilities.distributed import (  # noqa: F401 - re-exported
+    _all_gather_ddp_if_available,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,

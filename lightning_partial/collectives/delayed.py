@@ -338,8 +338,14 @@ class DelayedAllreduce(PartialAllreduce):
     def state_dict(self) -> dict[str, Any]:
         """Round counter, pending samples and gradient sums, unapplied results, global samples.
 
-        Take it after :meth:`pause` and :meth:`drain` (nothing in flight).
+        Take it after :meth:`pause` and :meth:`drain` (nothing in flight). On CUDA the
+        unapplied results were written on the engine's side stream: each is read only
+        after its round's completion event (bounded by the timeout), never half-written.
         """
+        with self._cond:
+            events = sorted((r, e) for r, e in self._done_events.items() if r > self._handed)
+        for r, event in events:  # pragma: no cover - needs GPUs
+            self._await_gpu(r, f"round {r}'s result (for a checkpoint)", event)
         state = super().state_dict()
         with self._cond:
             state["step"] = self._snapshotted + 1

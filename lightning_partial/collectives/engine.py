@@ -50,6 +50,14 @@ from lightning_partial.collectives.errors import (
     PartialCollectiveTimeout,
 )
 from lightning_partial.collectives.layout import TensorLayout
+from lightning_partial.collectives.nccl import (
+    CompletionWatch,
+    abort_group,
+    await_event,
+    destroy_group,
+    nccl_data_group,
+    warm_up,
+)
 from lightning_partial.collectives.stats import RoundStats
 
 log = logging.getLogger(__name__)
@@ -83,6 +91,19 @@ class _Deposit:
     first_step: Optional[int] = None  # DelayedAllreduce: round index of the oldest micro-batch in it
 
 
+@dataclass(frozen=True)
+class _Issued:
+    """A collective in flight: its work, and whether NCCL runs it on the engine's side stream.
+
+    ``stream_ordered``: ``wait()`` only orders the side stream after the kernel
+    (it does not block this thread); its completion on the GPU is bounded by the
+    engine's :class:`~lightning_partial.collectives.nccl.CompletionWatch`.
+    """
+
+    work: Any
+    stream_ordered: bool = False
+
+
 @dataclass(frozen=True, eq=False)
 class RoundResult:
     """The result of one round, identical on every rank.
@@ -102,16 +123,24 @@ class RoundResult:
     sent: list[Tensor] = dataclasses.field(default_factory=list, repr=False)
     included: bool = True
     layout: Optional[TensorLayout] = dataclasses.field(default=None, repr=False, compare=False)
+    # Called once by release(): the engine may then reuse what else the result showed (``sent``).
+    on_release: Optional[Callable[[], None]] = dataclasses.field(default=None, repr=False, compare=False)
+    _released: list[bool] = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     def release(self) -> None:
-        """Hands the buffers back to the engine; ``tensors`` must not be used afterwards.
+        """Hands the buffers back to the engine; ``tensors`` (and ``sent``) must not be used afterwards.
 
         Idempotent: a second call does nothing (a buffer is never pooled twice).
         """
+        if self._released:
+            return
+        self._released.append(True)
         if self.layout is not None and self.buffers:
             buffers = list(self.buffers)
             self.buffers.clear()
             self.layout.recycle(buffers)
+        if self.on_release is not None:
+            self.on_release()
 
 
 def _release_later(groups: list[Any], seconds: float) -> None:
@@ -136,9 +165,10 @@ class PartialAllreduce:
     Args:
         config: what activates a round, what happens to late gradients, etc.
         store: a c10d store shared by all ranks (``TCPStore`` in a real job).
-            The engine opens two clients of its own on it and builds its own
-            process groups from it, so the default group (which Lightning uses
-            from the main thread) is never touched.
+            The engine opens two clients of its own on it and builds its gloo
+            groups from it, so no gloo engine touches the default group. A NCCL
+            data group is made with ``dist.new_group`` at ``start()`` (the one
+            default-group operation; see :mod:`~lightning_partial.collectives.nccl`).
         rank: this rank, ``0 <= rank < world_size``.
         world_size: number of ranks ``P``.
         like: tensors with the shapes, dtypes and devices that every round
@@ -247,6 +277,7 @@ class PartialAllreduce:
         self._in_round = False
         self._stream: Optional[torch.cuda.Stream] = None
         self._done_events: dict[int, torch.cuda.Event] = {}  # CUDA: result ready, per round
+        self._watch: Optional[CompletionWatch] = None  # NCCL: bounds the rounds' completion on the GPU
 
     # ------------------------------------------------------------------ API
     @property
@@ -260,8 +291,11 @@ class PartialAllreduce:
         The groups' rendezvous is bounded by ``config.setup_timeout`` (default: ``timeout``);
         a rank that does not call ``start()`` within it of the others makes ``start()``
         raise :class:`PartialCollectiveTimeout` on the ranks that did. The gloo groups'
-        collectives are then bounded by ``config.timeout``. An NCCL data group creates
-        its communicator at its first collective, bounded by ``timeout``.
+        collectives are then bounded by ``config.timeout``. A NCCL data group is made
+        after the gloo rendezvous, with ``dist.new_group`` (torch.distributed must be
+        initialised, with this engine's rank and world size), and its communicator is
+        created and tried here, bounded by ``setup_timeout``
+        (:mod:`~lightning_partial.collectives.nccl`).
         """
         if self._state != "new":
             raise RuntimeError(f"rank {self.rank}: start() called twice (state {self._state})")
@@ -273,20 +307,29 @@ class PartialAllreduce:
         prefix = f"lightning_partial/{name}/pg/"
         try:
             self._header_pg = self._gloo_group(prefix + "gloo")
+            if self._cuda_device is not None:  # pragma: no cover - needs GPUs
+                self._stream = torch.cuda.Stream(device=self._cuda_device)
             if self.backend == "nccl":  # pragma: no cover - needs GPUs
-                options = dist.ProcessGroupNCCL.Options()
-                options._timeout = timeout
-                self._data_pg = dist.ProcessGroupNCCL(
-                    dist.PrefixStore(prefix + "nccl", self._store), self.rank, self.world_size, options
+                # After the gloo rendezvous: every rank is in start() by now.
+                assert self._cuda_device is not None and self._stream is not None
+                self._data_pg = nccl_data_group(
+                    rank=self.rank, world_size=self.world_size, device=self._cuda_device, timeout=timeout,
+                    description=prefix + "nccl",
                 )
+                warm_up(self._data_pg, self._cuda_device, self._stream,
+                        seconds=self.config.rendezvous_timeout.total_seconds(), rank=self.rank)
+                self._watch = CompletionWatch(
+                    timeout=timeout.total_seconds(), rank=self.rank, name=f"lightning_partial-{name}-rank{self.rank}",
+                    on_expired=self._expired,
+                ).start()
             else:
                 self._data_pg = self._gloo_group(prefix + "gloo-data")
         except BaseException:
-            # No collective has run on them: dropping them here is immediate.
+            # No round has run on them: dropping them here is immediate.
+            if self.backend == "nccl" and self._data_pg is not None:  # pragma: no cover - needs GPUs
+                abort_group(self._data_pg)
             self._control = self._header_pg = self._data_pg = None
             raise
-        if self._cuda_device is not None:  # pragma: no cover - needs GPUs
-            self._stream = torch.cuda.Stream(device=self._cuda_device)
         self._snapshotted = self._step - 1
         self._first_round = self._step  # a resumed run has no arrivals before it
         self._state = "running"
@@ -383,6 +426,8 @@ class PartialAllreduce:
         previous, self._state = self._state, "closed"
         if previous == "new":
             return
+        if self._watch is not None:  # pragma: no cover - needs GPUs
+            self._watch.stop()
         with self._cond:
             self._closing = True
             waiting = self._waiting_round
@@ -405,10 +450,7 @@ class PartialAllreduce:
                 # Stuck inside a collective with a peer that never comes: abort the
                 # groups so that it returns, and leave the daemon thread behind.
                 for pg in {id(self._data_pg): self._data_pg, id(self._header_pg): self._header_pg}.values():
-                    try:
-                        pg.abort()
-                    except Exception:  # not every backend supports abort
-                        pass
+                    abort_group(pg)  # not every backend supports it: then a no-op
                 log.warning("rank %d: the communication thread did not stop within %.1fs", self.rank, timeout)
         stuck = thread is not None and thread.is_alive()
         # A collective may still be in flight if the thread failed (its peers failed
@@ -417,12 +459,9 @@ class PartialAllreduce:
             self._retire_groups()
             return
         if self.backend == "nccl":  # pragma: no cover - needs GPUs
-            # Release the engine's NCCL communicators now rather than at garbage collection
-            # (torch warns about a ProcessGroupNCCL destroyed without shutdown).
-            try:
-                self._data_pg.shutdown()
-            except Exception as err:  # older torch, or already aborted
-                log.debug("rank %d: NCCL group shutdown: %s", self.rank, err)
+            # Release the engine's NCCL communicator now rather than at garbage collection
+            # (torch warns about a NCCL group destroyed without shutdown).
+            destroy_group(self._data_pg)
         # Nothing in flight: the groups' destructors return at once.
         self._header_pg = self._data_pg = None
 
@@ -441,10 +480,7 @@ class PartialAllreduce:
         """
         groups = [pg for pg in (self._header_pg, self._data_pg) if pg is not None]
         if self.backend == "nccl" and self._data_pg is not None:  # pragma: no cover - needs GPUs
-            try:
-                self._data_pg.abort()
-            except Exception as err:  # already aborted (close() of a stuck thread)
-                log.debug("rank %d: NCCL group abort: %s", self.rank, err)
+            abort_group(self._data_pg)
             groups = [pg for pg in groups if pg is not self._data_pg]
         self._header_pg = self._data_pg = None
         if groups:
@@ -470,6 +506,12 @@ class PartialAllreduce:
         resume of all ranks take it right after a synchronous round.
         """
         with self._cond:
+            if self._cuda_device is not None:  # pragma: no cover - needs GPUs
+                # The deposits were written on the stream that arrived: read them after it.
+                stream = torch.cuda.current_stream(self._cuda_device)
+                for d in self._pending:
+                    if d.ready is not None:
+                        stream.wait_event(d.ready)
             pending = [[f.detach().clone().cpu() for f in self.layout.data(d.flats)] for d in self._pending]
             steps = [d.step for d in self._pending]
             return {
@@ -687,6 +729,11 @@ class PartialAllreduce:
                     return
                 if not isinstance(err, PartialCollectiveError):
                     err = PartialCollectiveError(f"{type(err).__name__}: {err}", rank=self.rank, round_index=r)
+                if self._error is not None:
+                    # The first failure is the cause (the CompletionWatch's timeout, which aborted
+                    # the group this thread's collective then failed on): keep it.
+                    log.debug("rank %d: after %s: %s", self.rank, self._error, err)
+                    return
                 self._error = err
                 self._cond.notify_all()
             log.error("%s", err)
@@ -815,6 +862,8 @@ class PartialAllreduce:
             event.record(self._stream)
             with self._cond:
                 self._done_events[r] = event
+            if self._watch is not None:
+                self._watch.add(r, event)
         stats = RoundStats(
             round_index=r,
             activator=activators[0] if activators else -1,
@@ -872,15 +921,18 @@ class PartialAllreduce:
             return flats
         with torch.cuda.stream(self._stream):  # pragma: no cover - needs GPUs
             if not deposits:
-                # Allocated and zeroed on the side stream, the one the collective follows.
-                return [torch.zeros(b.capacity, dtype=b.dtype, device=b.device) for b in self.layout.buckets]
+                # From the pool, zeroed on the side stream, the one the collective follows.
+                return self.layout.zeros()
             for d in deposits:
                 if d.ready is not None:
                     self._stream.wait_event(d.ready)
                 for f in d.flats:
                     f.record_stream(self._stream)
-            flats = [f.clone() for f in deposits[0].flats]
+            # In place, as on the host: the deposit's buffers become the round's (no copy per round).
+            flats = deposits[0].flats
             self._accumulate(flats, deposits)
+            for d in deposits[1:]:
+                self.layout.recycle(d.flats)  # with an event on the side stream, after the additions
             return flats
 
     @staticmethod
@@ -894,32 +946,35 @@ class PartialAllreduce:
                 # alpha only when weighted: integer buffers refuse a float alpha.
                 acc.add_(f) if d.weight == 1.0 else acc.add_(f, alpha=d.weight)
 
-    def _start(self, pg: Any, tensor: Tensor, r: int, what: str) -> Any:
+    def _start(self, pg: Any, tensor: Tensor, r: int, what: str) -> _Issued:
+        """Starts an allreduce of ``tensor`` on ``pg`` (the side stream for CUDA tensors)."""
         try:
+            if self.backend == "nccl" and pg is self._data_pg:  # pragma: no cover - needs GPUs
+                with torch.cuda.stream(self._stream):
+                    return _Issued(dist.all_reduce(tensor, group=pg, async_op=True), stream_ordered=True)
             if self._stream is not None and tensor.is_cuda:  # pragma: no cover - needs GPUs
                 with torch.cuda.stream(self._stream):
-                    return pg.allreduce([tensor])
-            return pg.allreduce([tensor])
+                    return _Issued(pg.allreduce([tensor]))
+            return _Issued(pg.allreduce([tensor]))
         except Exception as err:
             raise self._collective_error(err, r, what) from err
 
-    def _finish(self, work: Any, r: int, what: str) -> None:
+    def _finish(self, issued: _Issued, r: int, what: str) -> None:
         timeout = self.config.timeout
-        pg_is_data = what not in ("header", "consensus distance")  # those run on the gloo header group
+        work = issued.work
         try:
-            if self._stream is not None:  # pragma: no cover - needs GPUs
+            if issued.stream_ordered:  # pragma: no cover - needs GPUs
+                # wait() only orders the side stream after the kernel. NCCL's
+                # wait(timeout) would block this thread until the kernel has run,
+                # i.e. until the caller's compute stream has drained (measured on
+                # an H100: arrive took the 200 ms of a pending kernel). The round's
+                # completion on the GPU is bounded by the CompletionWatch instead.
                 with torch.cuda.stream(self._stream):
-                    if self.backend == "nccl" and pg_is_data:
-                        # wait() only orders the side stream after the kernel. NCCL's
-                        # wait(timeout) would block this thread until the kernel has run,
-                        # i.e. until the caller's compute stream has drained (measured on
-                        # an H100: arrive took the 200 ms of a pending kernel). A stalled
-                        # peer is still bounded: the group's options._timeout (= the
-                        # config's timeout) arms NCCL's watchdog.
-                        work.wait()
-                        completed = True
-                    else:
-                        completed = work.wait(timeout)
+                    work.wait()
+                completed = True
+            elif self._stream is not None:  # pragma: no cover - needs GPUs
+                with torch.cuda.stream(self._stream):
+                    completed = work.wait(timeout)
             else:
                 completed = work.wait(timeout)
         except Exception as err:
@@ -928,6 +983,27 @@ class PartialAllreduce:
             raise PartialCollectiveTimeout(
                 f"{what} allreduce did not complete within {timeout.total_seconds():g}s", rank=self.rank, round_index=r
             )
+
+    def _expired(self, err: PartialCollectiveTimeout) -> None:  # pragma: no cover - needs GPUs
+        """CompletionWatch thread: a round's NCCL kernels did not complete in time; fails the engine."""
+        with self._cond:
+            if self._error is None and not self._closing:
+                self._error = err
+            self._cond.notify_all()
+        log.error("%s", err)
+        # The stuck kernels return once the communicator is aborted; the caller's next
+        # arrive() (or a waiting one) raises the error above.
+        if self._data_pg is not None:
+            abort_group(self._data_pg)
+
+    def _await_gpu(self, r: int, what: str, event: Optional[torch.cuda.Event] = None) -> None:
+        """Before a host read of side-stream results: waits for ``event`` (else one recorded now), bounded."""
+        if self._stream is None:
+            return
+        if event is None:  # pragma: no cover - needs GPUs
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        await_event(event, seconds=self.config.timeout.total_seconds(), rank=self.rank, round_index=r, what=what)
 
     def _collective_error(self, err: Exception, r: int, what: str) -> PartialCollectiveError:
         return _error_kind(err)(

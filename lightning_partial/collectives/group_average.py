@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_partial.collectives.config import PartialAllreduceConfig
-from lightning_partial.collectives.engine import _COUNT, PartialAllreduce, RoundResult, Tensors, _Deposit
+from lightning_partial.collectives.engine import _COUNT, PartialAllreduce, RoundResult, Tensors, _Deposit, _Issued
 from lightning_partial.collectives.schedules import Schedule
 
 log = logging.getLogger(__name__)
@@ -139,13 +139,16 @@ class GroupAverage(PartialAllreduce):
         super().__init__(config, store=store, rank=rank, world_size=world_size, like=like, backend=backend)
         if self.backend == "gloo" and self._cuda_device is not None:
             raise ValueError("GroupAverage exchanges CUDA tensors point-to-point with backend='nccl' only")
+        # A round takes up to P - 1 received models, a sum and a consensus copy from the pool.
+        self.layout.max_free = max(self.layout.max_free, world_size + 2)
         self.schedule = schedule
         self.measure_every = measure_every
         self.stale = stale
         # The send buffer: the model as of the latest arrival whose round was taken.
-        # Owned by the communication thread once started; never recycled (a caller
-        # may still read it as a round's ``sent``).
+        # Owned by the communication thread once started. Once a newer model replaces
+        # it, it is recycled when no unreleased result still shows it as ``sent``.
         self._last_sent: list[Tensor] = self.layout.flatten(self._as_list(like))
+        self._sent_users: dict[int, int] = {}  # id(buffer set) -> unreleased results showing it (self._cond)
         if self._cuda_device is not None:  # pragma: no cover - needs GPUs
             # Once, at construction: the side stream may read this buffer before any event exists.
             torch.cuda.current_stream(self._cuda_device).synchronize()
@@ -207,7 +210,18 @@ class GroupAverage(PartialAllreduce):
                 self._stream.wait_event(newest.ready)
                 for f in newest.flats:
                     f.record_stream(self._stream)
-            self._last_sent, self._last_sent_step = newest.flats, newest.step
+            with self._cond:  # against _release_sent on the caller's thread
+                old = self._last_sent
+                self._last_sent, self._last_sent_step = newest.flats, newest.step
+                unused = self._sent_users.get(id(old), 0) == 0
+            if unused:
+                with self._side_stream():  # after the side stream's last use of it (earlier rounds)
+                    self.layout.recycle(old)
+        if self._stream is not None:  # pragma: no cover - needs GPUs
+            # Every round, the model built from included: the side stream reads it, and the
+            # allocator must not reuse its block while it does once a newer model replaces it.
+            for f in self._last_sent:
+                f.record_stream(self._stream)
         self._round_sent = self._last_sent
         return self._last_sent
 
@@ -216,11 +230,16 @@ class GroupAverage(PartialAllreduce):
 
     def _start_data(self, r: int, flats: list[Tensor], *, global_round: bool) -> tuple[list[tuple[Any, str]], Any]:
         if global_round:
-            with self._side_stream():
-                sums = [f.clone() for f in flats]  # the send buffer stays intact: it is the round's ``sent``
+            sums = self._copy(flats)  # the send buffer stays intact: it is the round's ``sent``
             return [(self._start(self._data_pg, s, r, "global average"), "global average") for s in sums], sums
         group = self.schedule.group_of(r, self.rank)
+        peers = [m for m in group if m != self.rank]
         received: dict[int, list[Tensor]] = {}
+        with self._side_stream():
+            for peer in peers:
+                received[peer] = self.layout.take()  # pooled: no allocation per round and peer
+        if self.backend == "nccl":  # pragma: no cover - needs GPUs
+            return self._exchange_batched(r, flats, received), (group, received)
         works: list[tuple[Any, str]] = []
         # Pairs in one global order; in each pair the lower rank sends first.
         for a in group:
@@ -228,8 +247,6 @@ class GroupAverage(PartialAllreduce):
                 if a >= b or self.rank not in (a, b):
                     continue
                 peer = b if self.rank == a else a
-                with self._side_stream():
-                    received[peer] = [torch.empty_like(f) for f in flats]
                 ops = ("send", "recv") if self.rank == a else ("recv", "send")
                 for op in ops:
                     for tag, f in enumerate(flats):
@@ -237,14 +254,46 @@ class GroupAverage(PartialAllreduce):
                         works.append((self._p2p(op, f if op == "send" else received[peer][tag], peer, tag, r), what))
         return works, (group, received)
 
-    def _p2p(self, op: str, tensor: Tensor, peer: int, tag: int, r: int) -> Any:
+    def _exchange_batched(
+        self, r: int, flats: list[Tensor], received: dict[int, list[Tensor]]
+    ) -> list[tuple[Any, str]]:  # pragma: no cover - needs GPUs
+        """NCCL: the round's sends and receives as one ``batch_isend_irecv`` on the data group's communicator.
+
+        Batched point-to-point calls run in one NCCL group call on the group's own
+        communicator (created at ``start()``): no two-rank communicator per peer
+        pair, and no send/recv ordering between the pairs to get right.
+        """
+        ops = []
+        for peer, bufs in received.items():
+            for f, into in zip(flats, bufs):
+                ops.append(dist.P2POp(dist.isend, f, peer, group=self._data_pg))
+                ops.append(dist.P2POp(dist.irecv, into, peer, group=self._data_pg))
+        if not ops:
+            return []  # alone in its group this round (batch_isend_irecv refuses an empty list)
+        what = f"group exchange with ranks {sorted(received)}"
+        try:
+            with self._side_stream():
+                works = dist.batch_isend_irecv(ops)
+        except Exception as err:
+            raise self._collective_error(err, r, what) from err
+        return [(_Issued(w, stream_ordered=True), what) for w in works]
+
+    def _p2p(self, op: str, tensor: Tensor, peer: int, tag: int, r: int) -> _Issued:
         try:
             with self._side_stream():
                 if op == "send":
-                    return self._data_pg.send([tensor], peer, tag)
-                return self._data_pg.recv([tensor], peer, tag)
+                    return _Issued(self._data_pg.send([tensor], peer, tag))
+                return _Issued(self._data_pg.recv([tensor], peer, tag))
         except Exception as err:
             raise self._collective_error(err, r, f"group {op} with rank {peer}") from err
+
+    def _copy(self, flats: list[Tensor]) -> list[Tensor]:
+        """A pooled copy of ``flats``, made on the side stream."""
+        with self._side_stream():
+            out = self.layout.take()
+            for o, f in zip(out, flats):
+                o.copy_(f)
+        return out
 
     def _finish_data(
         self, r: int, flats: list[Tensor], context: Any, header: Tensor, *, global_round: bool
@@ -258,22 +307,24 @@ class GroupAverage(PartialAllreduce):
         group, received = context
         averaged = [m for m in group if header[m, _COUNT] > 0]
         self._round_included = self.rank in averaged
+        parts = [flats if m == self.rank else received[m] for m in averaged] if self._round_included else [flats]
+        # Included: the members' sum; otherwise this rank's model was averaged before and it sits
+        # this round out with a copy of it.
+        sums = self._copy(parts[0])
         with self._side_stream():
-            if self._round_included:
-                parts = [flats if m == self.rank else received[m] for m in averaged]
-                sums = [p.clone() for p in parts[0]]
-                for part in parts[1:]:  # member order: bit-identical sums on every member
-                    for acc, t in zip(sums, part):
-                        acc.add_(t)
-            else:  # this rank's model was averaged before: it sits this round out
-                sums = [f.clone() for f in flats]
+            for part in parts[1:]:  # member order: bit-identical sums on every member
+                for acc, t in zip(sums, part):
+                    acc.add_(t)
+            for bufs in received.values():
+                self.layout.recycle(bufs)  # after the additions above, on this stream
         consensus = None
         if self.measure_every is not None and (r + 1) % self.measure_every == 0:
-            with self._side_stream():
-                totals = [f.clone() for f in flats]
+            totals = self._copy(flats)
             for t in totals:
                 self._finish(self._start(self._data_pg, t, r, "consensus"), r, "consensus")
             consensus = self._consensus(r, flats, totals)
+            with self._side_stream():
+                self.layout.recycle(totals)
         extra = {
             "group": tuple(group),
             "group_id": self.schedule.group_id(r, self.rank),
@@ -283,20 +334,49 @@ class GroupAverage(PartialAllreduce):
         return sums, 1.0, extra
 
     def _consensus(self, r: int, flats: list[Tensor], totals: list[Tensor]) -> float:
-        """``mean_i ||w_i - mean||^2`` from this rank's model and the global sums (one scalar allreduce)."""
+        """``mean_i ||w_i - mean||^2`` from this rank's model and the global sums (one scalar allreduce).
+
+        In float64, a chunk at a time: at most two float64 chunks exist besides the
+        buffers, never float64 copies of the whole model.
+        """
+        chunk = 1 << 20
         with self._side_stream():
-            own = sum(
-                float(((f.double() - t.double() / self.world_size) ** 2).sum()) for f, t in zip(flats, totals)
-            )
+            acc = torch.zeros((), dtype=torch.float64, device=flats[0].device)
+            for f, t in zip(flats, totals):
+                for start in range(0, f.numel(), chunk):
+                    diff = f[start : start + chunk].to(torch.float64, copy=True)  # never f itself
+                    diff.sub_(t[start : start + chunk].double(), alpha=1.0 / self.world_size)
+                    acc += diff.square_().sum()
+        self._await_gpu(r, "the consensus distance's allreduce")  # bounded, before the host read
+        own = float(acc)
         value = torch.tensor([own], dtype=torch.float64)
         self._finish(self._start(self._header_pg, value, r, "consensus distance"), r, "consensus distance")
         return float(value.item()) / self.world_size
 
     def _reduce(self, r: int, header: Tensor, deposits: list[_Deposit], *, began: float, activated: float) -> RoundResult:
         result = super()._reduce(r, header, deposits, began=began, activated=activated)
+        sent = self._round_sent
+        with self._cond:
+            self._sent_users[id(sent)] = self._sent_users.get(id(sent), 0) + 1
         return dataclasses.replace(
-            result, sent=self.layout.unflatten(self._round_sent), included=self._round_included
+            result, sent=self.layout.unflatten(sent), included=self._round_included,
+            on_release=lambda: self._release_sent(sent),
         )
+
+    def _release_sent(self, sent: list[Tensor]) -> None:
+        """Caller's thread, from ``RoundResult.release()``: a result no longer shows ``sent``; recycles it if superseded."""
+        with self._cond:
+            users = self._sent_users[id(sent)] - 1
+            if users:
+                self._sent_users[id(sent)] = users
+                return
+            del self._sent_users[id(sent)]
+            if sent is self._last_sent:
+                return  # still the send buffer: the communication thread recycles it once superseded
+        if self._stream is not None:  # pragma: no cover - needs GPUs
+            # The side stream may still read it in a round whose result this caller has not taken yet.
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+        self.layout.recycle(sent)
 
 
 def lag_damping(lag: int) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -34,7 +34,7 @@ class TensorLayout:
     (see ``PartialAllreduce``). :meth:`unflatten` and :meth:`data` never show it.
     """
 
-    def __init__(self, tensors: Sequence[Tensor], *, tail: int = 0) -> None:
+    def __init__(self, tensors: Sequence[Tensor], *, tail: int = 0, max_free: int = 4) -> None:
         if len(tensors) == 0:
             raise ValueError("a partial allreduce needs at least one tensor")
         if tail < 0:
@@ -59,11 +59,15 @@ class TensorLayout:
             )
             for k, ((dtype, device), idx) in enumerate(groups.items())
         )
-        # Buffers handed back by RoundResult.release(), shared by the caller's
-        # and the communication thread.
-        self._free: list[list[Tensor]] = []
-        self._max_free = 4
+        # Buffer sets handed back for reuse (RoundResult.release(), superseded deposits,
+        # received models), shared by the caller's and the communication thread. On CUDA
+        # each set carries an event recorded on the stream that last used it: whoever
+        # takes the set makes its own stream wait for that event first.
+        self._free: list[tuple[list[Tensor], Optional[torch.cuda.Event]]] = []
+        self.max_free = max_free  # buffer sets kept for reuse
         self._lock = threading.Lock()
+        #: Buffer sets allocated so far (pool misses): constant in a steady state.
+        self.allocations = 0
 
     def check(self, tensors: Sequence[Tensor], *, rank: int, round_index: int) -> None:
         """Raises ``ValueError`` if ``tensors`` do not match the layout."""
@@ -76,32 +80,50 @@ class TensorLayout:
             )
 
     def flatten(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        """Copies ``tensors`` into flat buffers, one per bucket (recycled ones if any)."""
-        out = self._take()
+        """Copies ``tensors`` into flat buffers, one per bucket (recycled ones if any), on the current stream."""
+        out = self.take()
         for buf, b in zip(out, self.buckets):
             torch.cat([tensors[i].detach().reshape(-1) for i in b.indices], out=buf[: b.numel])
         return out
 
     def zeros(self) -> list[Tensor]:
-        return [buf.zero_() for buf in self._take()]
+        """A zeroed buffer set, on the current stream."""
+        return [buf.zero_() for buf in self.take()]
 
     def recycle(self, flats: list[Tensor]) -> None:
-        """Gives buffers back for reuse: fresh 4 MB buffers cost page faults every round.
+        """Gives a buffer set back for reuse, from the stream that used it last (the current one).
 
-        Host buffers only: a CUDA buffer may still be read by a stream the pool
-        cannot see, and the caching allocator already recycles device memory.
+        Fresh 4 MB host buffers cost page faults every round; fresh device buffers
+        cost a caching-allocator block per round and per stream, which on CUDA
+        adds up to several model copies held by streams that no longer need them.
+        On CUDA an event recorded on the current stream goes with the set: the
+        next taker's stream waits for it, so no kernel still reading or writing
+        the set on this stream can overlap its next use.
         """
+        event: Optional[torch.cuda.Event] = None
         if any(f.is_cuda for f in flats):
-            return
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(flats[0].device))
         with self._lock:
-            if len(self._free) < self._max_free:
-                self._free.append(flats)
+            if len(self._free) < self.max_free:
+                self._free.append((flats, event))
 
-    def _take(self) -> list[Tensor]:
+    def take(self) -> list[Tensor]:
+        """A buffer set for use on the current stream: a recycled one (after its event), else a new one."""
         with self._lock:
-            if self._free:
-                return self._free.pop()
-        return [torch.empty(b.capacity, dtype=b.dtype, device=b.device) for b in self.buckets]
+            entry = self._free.pop() if self._free else None
+            if entry is None:
+                self.allocations += 1
+        if entry is None:
+            return [torch.empty(b.capacity, dtype=b.dtype, device=b.device) for b in self.buckets]
+        flats, event = entry
+        if event is not None:
+            stream = torch.cuda.current_stream(flats[0].device)
+            stream.wait_event(event)
+            for f in flats:
+                # The allocator frees a block only once every stream that used it is done.
+                f.record_stream(stream)
+        return flats
 
     def tail_of(self, flats: Sequence[Tensor]) -> Tensor:
         """The tail of the first bucket's buffer (a view)."""

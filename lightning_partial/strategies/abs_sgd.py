@@ -26,7 +26,7 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   ``max_epochs`` and ``max_steps`` (= rounds) make a round final; every rank
   then stops. At the end of fit, and before every checkpoint, the ranks agree
   on the last round in flight (one barrier and one integer allreduce on the
-  default group: never per step) and wait for it; at the end of fit a final
+  strategy's collective group: never per step) and wait for it; at the end of fit a final
   synchronous round sums everything still pending, and every result not yet
   applied is applied: the replicas end bit-identical.
 * **Checkpoints** hold the round counter, each rank's pending gradient sum and
@@ -341,7 +341,7 @@ class ABSSGDStrategy(PartialStrategy):
 
     # ------------------------------------------------------------- agreement
     def _quiesce(self) -> dict[int, int]:
-        """Every rank, main thread, default group: no round in flight afterwards; returns the last round per engine.
+        """Every rank, main thread, collective group: no round in flight afterwards; returns the last round per engine.
 
         Each engine stops activating rounds; a barrier makes that hold on every
         rank; the last activated round is agreed (one MAX allreduce) and waited for.
@@ -352,9 +352,8 @@ class ABSSGDStrategy(PartialStrategy):
         indices = sorted(self._engines)
         known = torch.tensor([self._engines[i].known_round() for i in indices], dtype=torch.int64)  # type: ignore[attr-defined]
         if self.world_size > 1:
-            device = self.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
-            known = known.to(device)
-            dist.all_reduce(known, op=dist.ReduceOp.MAX)
+            # On the host, on the collective group: never a default-group NCCL collective (partial.py).
+            dist.all_reduce(known, op=dist.ReduceOp.MAX, group=self.collective_group)
         last = {i: int(r) for i, r in zip(indices, known.cpu().tolist())}
         for i in indices:
             self._engines[i].drain(last[i])  # type: ignore[attr-defined]

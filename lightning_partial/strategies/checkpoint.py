@@ -3,7 +3,7 @@
 Why a gather: only rank 0 writes the checkpoint file, but pending (carried)
 gradients are per rank. ``Trainer.save_checkpoint`` runs on every rank at the
 same step, so the strategy's ``save_checkpoint`` gathers each rank's engine
-state to rank 0 with one ``gather_object`` on the default group (once per
+state to rank 0 with one ``gather_object`` on the strategy's collective group (once per
 checkpoint, never per step).
 
 Why the cut is consistent: every rank saves right after its optimizer step
@@ -39,13 +39,19 @@ CHECKPOINT_KEY = "lightning_partial"
 
 
 def gather_engine_states(
-    states: dict[int, dict[str, Any]], *, rank: int, world_size: int, strategy: str, family: str
+    states: dict[int, dict[str, Any]],
+    *,
+    rank: int,
+    world_size: int,
+    strategy: str,
+    family: str,
+    group: Optional[Any] = None,
 ) -> Optional[dict[str, Any]]:
-    """Collective on the default group: returns the checkpoint entry on rank 0, ``None`` elsewhere."""
+    """Collective on ``group`` (default: the default group): returns the checkpoint entry on rank 0, ``None`` elsewhere."""
     gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
     if world_size > 1:
-        try:  # bounded by the default group's timeout (the strategy's ``timeout``)
-            dist.gather_object(states, gathered, dst=0)
+        try:  # bounded by the group's timeout (the strategy's ``timeout``)
+            dist.gather_object(states, gathered, dst=0, group=group)
         except Exception as err:  # a dead or stalled rank: say which rank and which round
             step = next((int(s["step"]) for s in states.values()), None)
             raise PartialCollectiveError(

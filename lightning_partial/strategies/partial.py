@@ -3,11 +3,12 @@
 Contract (threads and collectives), common to eager-SGD, WAGMA-SGD and DS-Sync:
 
 * Set-up (every rank, main thread, default group): the process group is
-  initialised as in ``DDPStrategy``; rank 0's parameters and buffers are
-  broadcast once. At ``on_train_start`` (after Lightning restored a
-  checkpoint): a dedicated ``TCPStore`` is created (its address broadcast
-  once); one engine per optimizer (built by the subclass) loads its
-  checkpointed state, if any, and starts its communication thread.
+  initialised as in ``DDPStrategy``, plus the strategy's collective group
+  (below); rank 0's parameters and buffers are broadcast once. At
+  ``on_train_start`` (after Lightning restored a checkpoint): a dedicated
+  ``TCPStore`` is created (its address broadcast once); one engine per
+  optimizer (built by the subclass) loads its checkpointed state, if any, and
+  starts its communication thread.
 * Each optimizer step: the subclass hands its tensors to the engine
   (``arrive``). No collective runs on the default group per step: the engine's
   communication thread issues the round's collectives on the engine's groups,
@@ -19,12 +20,34 @@ Contract (threads and collectives), common to eager-SGD, WAGMA-SGD and DS-Sync:
   mode, Lightning's own handling is kept.)
 * End of fit (main thread): the subclass's final round (``flush()``) on every
   engine, so nothing computed is lost and all replicas end identical; then one
-  allreduce per buffer on the default group (floating-point buffers averaged,
+  allreduce per buffer on the collective group (floating-point buffers averaged,
   others taken from rank 0), so that the buffers end identical too.
-* Checkpoints (every rank, main thread, default group): ``save_checkpoint``
+* Checkpoints (every rank, main thread, collective group): ``save_checkpoint``
   gathers every rank's engine state into rank 0's file with one
   ``gather_object``; a resumed fit gives each rank its own state back.
 * Validation, test and predict never touch the engines.
+
+**Invariant: one thread per NCCL communicator while the engines run.** NCCL can
+deadlock when kernels of two communicators are launched in different orders on
+different ranks, and the main thread and an engine's communication thread
+cannot agree on an order: rounds start whenever the fastest rank activates
+them. So, from the engines' start (``on_train_start``) to their close, the only
+NCCL communicators in use are the engines' own data groups, each driven by its
+engine's communication thread alone; the strategy's own collectives
+(``barrier``, ``broadcast``, ``reduce`` and with it ``self.log(sync_dist=True)``
+and ``reduce_boolean_decision``, ``all_gather``, the checkpoint's gather, the
+buffer average, the store's address, ABS-SGD's quiesce) run on
+:attr:`PartialStrategy.collective_group`, a gloo group of all ranks made at
+set-up (the default group itself when that is gloo), on host copies of their
+tensors. The default NCCL group is used by the set-up's broadcast of the
+weights, before any engine exists, and by each engine's ``start()``
+(``dist.new_group`` and a one-element allreduce that creates its NCCL
+communicator), on the main thread, before any round can be activated: rounds
+need arrivals, which begin after ``on_train_start``. ``SyncBatchNorm``, which would issue a
+default-group collective in every forward pass, is refused unless rounds are
+fully synchronous (``mode="sync"``). User code that runs its own collectives
+during fit (for example torchmetrics' ``dist_sync``) must pass
+``process_group=trainer.strategy.collective_group``, as the strategy does.
 """
 
 from __future__ import annotations
@@ -109,6 +132,9 @@ class PartialStrategy(ParallelStrategy):
         self._stopped = False  # a round carried a stop request: every rank stops at it
         self._previous_sigterm_handler: Any = None
         self._resume_state: Optional[dict[str, Any]] = None  # from load_checkpoint, consumed at start
+        # The strategy's own collectives' group (see the module docstring), made in setup_distributed.
+        self._collective_group: Any = None
+        self._collective_group_ready = False
         self._final_states: dict[int, dict[str, Any]] = {}  # engine states after the final flush
         # The latest round's statistics per optimizer index (read by StalenessTracker).
         self.round_stats: dict[int, RoundStats] = {}
@@ -170,7 +196,42 @@ class PartialStrategy(ParallelStrategy):
         )
         assert self.cluster_environment is not None
         _compat._init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        self._make_collective_group()
 
+    def _make_collective_group(self) -> None:
+        """Every rank, main thread, once: the gloo group of the strategy's own collectives.
+
+        ``None`` stands for the default group when it is gloo already; otherwise a new
+        gloo group of all ranks (``dist.new_group``, collective over the default group).
+        """
+        if self._collective_group_ready or not _compat._distributed_is_initialized():
+            return
+        if dist.get_backend() != "gloo":
+            self._collective_group = dist.new_group(backend="gloo", timeout=self._timeout)
+        self._collective_group_ready = True
+
+    @property
+    def collective_group(self) -> Any:
+        """The process group of the strategy's own collectives: gloo, all ranks (see the module docstring).
+
+        Pass it as ``process_group`` to anything that synchronises during fit
+        (e.g. a torchmetrics ``Metric``), so that no NCCL collective on the default
+        group runs beside the engines' rounds.
+        """
+        if not self._collective_group_ready:
+            return None
+        return self._collective_group if self._collective_group is not None else _compat._group.WORLD
+
+    @staticmethod
+    def _is_default(group: Any) -> bool:
+        """Whether a caller's ``group`` means the default group (``LightningModule.all_gather`` passes ``WORLD``)."""
+        return group is None or group is _compat._group.WORLD
+
+    def _to_host(self, tensor: Tensor) -> Tensor:
+        """``tensor`` as the collective group takes it: a host copy when the default group is not gloo."""
+        if self._collective_group is None or not tensor.is_cuda:
+            return tensor
+        return tensor.detach().cpu()
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
@@ -186,6 +247,8 @@ class PartialStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
+        if fitting:
+            self._refuse_sync_batchnorm(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         # Identical initial weights: one broadcast from rank 0 at set-up, never per step.
@@ -197,6 +260,24 @@ class PartialStrategy(ParallelStrategy):
             _compat._optimizers_to_device(self.optimizers, self.root_device)
             # Fails here, before any process is busy training, if P does not suit the configuration.
             self.validate_world(self.world_size)
+
+    def _refuse_sync_batchnorm(self, model: torch.nn.Module) -> None:
+        """Raises ``ValueError`` if ``model`` has ``SyncBatchNorm`` layers and rounds are not all synchronous.
+
+        A ``SyncBatchNorm`` forward is a collective on the default group: it would make
+        every step wait for every rank (what the strategy exists to avoid) and, on
+        GPUs, run NCCL kernels of the default group beside the engines' rounds.
+        """
+        if self.partial_config.mode == "sync":
+            return
+        names = [name for name, m in model.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+        if names:
+            raise ValueError(
+                f"{type(self).__name__} does not support SyncBatchNorm (layers {names[:3]}"
+                f"{' ...' if len(names) > 3 else ''}): each forward would synchronise all ranks on the default "
+                "group. Use BatchNorm (each replica keeps its own statistics; the strategy averages the buffers "
+                "at the end of fit) or GroupNorm, and do not pass sync_batchnorm=True"
+            )
 
     def validate_world(self, world_size: int) -> None:
         """Checks what depends on the number of ranks; raises ``ValueError``."""
@@ -223,7 +304,7 @@ class PartialStrategy(ParallelStrategy):
         Runs at ``on_train_start``, after Lightning restored a checkpoint's
         training state, because an engine's state must be loaded before it starts.
         """
-        self._store = create_store(timeout=self._timeout)
+        self._store = create_store(timeout=self._timeout, group=self.collective_group)
         resume = self._resume_state
         self._resume_state = None
         for index, optimizer in enumerate(self.optimizers):
@@ -293,7 +374,7 @@ class PartialStrategy(ParallelStrategy):
         self._average_buffers()
 
     def _average_buffers(self) -> None:
-        """Every rank, main thread, default group, once at the end of fit: makes the buffers identical.
+        """Every rank, main thread, collective group, once at the end of fit: makes the buffers identical.
 
         Buffers (BatchNorm's running statistics) are never exchanged per step:
         each replica tracks its own data's, where DDP broadcasts rank 0's before
@@ -307,13 +388,17 @@ class PartialStrategy(ParallelStrategy):
         buffers = [b for b in self.lightning_module.buffers() if b.numel()]
         if not buffers:
             return
+        group = self.collective_group
         with torch.no_grad():
             for b in buffers:
+                host = self._to_host(b)
                 if b.is_floating_point():
-                    dist.all_reduce(b, op=dist.ReduceOp.SUM)  # bounded by the default group's timeout
-                    b.div_(self.world_size)
+                    dist.all_reduce(host, op=dist.ReduceOp.SUM, group=group)  # bounded by the group's timeout
+                    host.div_(self.world_size)
                 else:
-                    dist.broadcast(b, src=0)
+                    dist.broadcast(host, src=0, group=group)
+                if host is not b:
+                    b.copy_(host)
 
     def _close_engines(self) -> None:
         if self._previous_sigterm_handler is not None:
@@ -331,7 +416,7 @@ class PartialStrategy(ParallelStrategy):
     ) -> None:
         """Every rank: its engines' state (round, RNG, pending gradients) is gathered into rank 0's file.
 
-        One ``gather_object`` on the default group per checkpoint (see
+        One ``gather_object`` on the collective group per checkpoint (see
         :mod:`lightning_partial.strategies.checkpoint` for why the cut is consistent).
         """
         states = {i: e.state_dict() for i, e in self._engines.items()} or dict(self._final_states)
@@ -342,6 +427,7 @@ class PartialStrategy(ParallelStrategy):
                 world_size=self.world_size,
                 strategy=self.strategy_name,
                 family=self.engine_family,
+                group=self.collective_group,
             )
             if entry is not None:
                 checkpoint[CHECKPOINT_KEY] = entry
@@ -357,30 +443,46 @@ class PartialStrategy(ParallelStrategy):
         return checkpoint
 
     # ---------------------------------------------------------- collectives
+    # Every collective below runs on collective_group (gloo), never on a NCCL default
+    # group: see the module docstring's invariant.
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not _compat._distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        dist.barrier(group=self.collective_group)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _compat._distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src, group=_compat._group.WORLD)
+        dist.broadcast_object_list(box, src, group=self.collective_group)
         return box[0]
 
     @override
     def reduce(
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Tensor:
-        if isinstance(tensor, Tensor):
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if not self._is_default(group) or not _compat._distributed_is_initialized():
             return _compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        host = self._to_host(tensor)
+        if host is tensor:
+            return _compat._sync_ddp_if_available(tensor, self.collective_group, reduce_op=reduce_op)
+        dtype = host.dtype
+        if dtype in (torch.float16, torch.bfloat16):
+            host = host.float()  # what every gloo build reduces
+        out = _compat._sync_ddp_if_available(host, self.collective_group, reduce_op=reduce_op)
+        return out.to(device=tensor.device, dtype=dtype)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        if not self._is_default(group):
+            return _compat._all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+        host = tensor.cpu() if self._collective_group is not None and tensor.is_cuda else tensor  # keeps autograd
+        out = _compat._all_gather_ddp_if_available(host, group=self.collective_group, sync_grads=sync_grads)
+        return out.to(tensor.device)
 
     @override
     def model_to_device(self) -> None:
@@ -391,3 +493,10 @@ class PartialStrategy(ParallelStrategy):
     def teardown(self) -> None:
         self._close_engines()
         super().teardown()
+
+    @override
+    def __getstate__(self) -> dict[str, Any]:
+        # A process group cannot be pickled (the spawn launcher pickles the strategy).
+        state = super().__getstate__()
+        state["_collective_group"], state["_collective_group_ready"] = None, False
+        return state

@@ -55,6 +55,7 @@ class Regressor(L.LightningModule):
         self.step_scheduler = False
         self.momentum = 0.0
         self.weight_decay = 0.0
+        self.sync_dist = False
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -62,6 +63,10 @@ class Regressor(L.LightningModule):
         if self.rank0_only is not None and self.global_rank == 0 and batch_idx % 2:
             loss = loss + self.rank0_only(x).pow(2).mean()
         self.log("train_loss", loss)
+        if self.sync_dist:  # the strategy's own collectives, every step
+            self.log("synced_loss", loss.detach(), sync_dist=True)
+            self.all_gather(loss.detach())
+            self.trainer.strategy.barrier("fit.py")
         return loss
 
     def on_train_start(self) -> None:
@@ -166,6 +171,8 @@ def main() -> None:
     parser.add_argument("--csv", type=Path, default=None, help="CSVLogger directory")
     parser.add_argument("--wandb", type=Path, default=None, help="wandb_logger save_dir (offline by default)")
     parser.add_argument("--spy", action="store_true", help="count default-group collectives while batches run")
+    parser.add_argument("--sync-dist", action="store_true",
+                        help="log with sync_dist=True, all_gather and barrier in every training step")
     parser.add_argument("--rotation", type=int, default=None, help="add a GroupRotation(consensus_every=N)")
     parser.add_argument("--strategy-kw", default="{}", help="JSON keyword arguments of a configured strategy")
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d layer (per-replica buffers)")
@@ -193,6 +200,7 @@ def main() -> None:
     model.step_scheduler = args.step_scheduler
     model.momentum = args.momentum
     model.weight_decay = args.weight_decay
+    model.sync_dist = args.sync_dist
     model.pid_dir = args.out / "pids"
     strategy: Any = args.strategy
     if strategy.startswith("eager_sgd:"):  # a configured instance rather than a registry name
