@@ -161,3 +161,4 @@ def test_sync_batchnorm_is_refused_unless_rounds_are_synchronous(make) -> None:
 def test_sync_batchnorm_is_allowed_in_fully_synchronous_mode() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SyncBatchNorm(4))
     EagerSGDStrategy(mode="sync")._refuse_sync_batchnorm(model)
+

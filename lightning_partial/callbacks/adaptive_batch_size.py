@@ -39,18 +39,22 @@ class AdaptiveBatchSize(Callback):
         window: rounds per measurement and between updates (>= 1).
         min_batch_size: the smallest micro-batch (>= 1).
         log: log the sizes to the Lightning loggers.
+        history: how many updates to keep in :attr:`history` (the oldest are dropped).
     """
 
-    def __init__(self, window: int = 8, min_batch_size: int = 1, log: bool = True) -> None:
+    def __init__(self, window: int = 8, min_batch_size: int = 1, log: bool = True, history: int = 10_000) -> None:
         for name, value in (("window", window), ("min_batch_size", min_batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"AdaptiveBatchSize: {name} must be an integer >= 1, got {value!r}")
+        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+            raise ValueError(f"AdaptiveBatchSize: history must be a non-negative int, got {history!r}")
         self.window = window
         self.min_batch_size = min_batch_size
         self.log = log
         self.base: Optional[int] = None
         self.sizes: Optional[tuple[int, ...]] = None  # every rank's current size
-        self.history: list[tuple[int, tuple[int, ...]]] = []  # (round, sizes) at each update
+        # (round, sizes) at each update, the latest ``history`` of them.
+        self.history: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=history)
         self._counts: deque[tuple[int, ...]] = deque(maxlen=window)
         self._rank = 0
         self._sampler: Any = None

@@ -20,6 +20,7 @@ latest round statistics (``round_stats``) and logs, per optimizer:
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -55,6 +56,11 @@ class GroupRotation(Callback):
         consensus_every: have the strategy measure the consensus distance every
             ``n`` rounds (besides every global average); ``None`` keeps its setting.
         log: log the metrics through ``LightningModule.log`` (any logger).
+        history: how many rounds' :class:`GroupRecord` to keep in :attr:`history`
+            (the oldest are dropped, so a long fit's memory stays flat).
+
+    Attributes:
+        history: the latest ``history`` group rounds' records, oldest first.
     """
 
     def __init__(
@@ -64,6 +70,7 @@ class GroupRotation(Callback):
         switch_at: Optional[Mapping[int, ScheduleSource]] = None,
         consensus_every: Optional[int] = None,
         log: bool = True,
+        history: int = 100_000,
     ) -> None:
         if schedule is not None and not (isinstance(schedule, Schedule) or callable(schedule)):
             raise ValueError(f"schedule must be a Schedule or a callable world_size -> Schedule, got {schedule!r}")
@@ -77,11 +84,13 @@ class GroupRotation(Callback):
             isinstance(consensus_every, bool) or not isinstance(consensus_every, int) or consensus_every < 1
         ):
             raise ValueError(f"consensus_every must be an integer >= 1 or None, got {consensus_every!r}")
+        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+            raise ValueError(f"GroupRotation: history must be a non-negative int, got {history!r}")
         self.schedule = schedule
         self.switch_at = switch_at
         self.consensus_every = consensus_every
         self.log = log
-        self.history: list[GroupRecord] = []
+        self.history: deque[GroupRecord] = deque(maxlen=history)
         self._last_round: dict[int, int] = {}
 
     @staticmethod

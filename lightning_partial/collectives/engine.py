@@ -426,7 +426,11 @@ class PartialAllreduce:
         previous, self._state = self._state, "closed"
         if previous == "new":
             return
+        gpu_idle = True
         if self._watch is not None:  # pragma: no cover - needs GPUs
+            # Rounds may still be queued on the GPU (their results were published at once):
+            # destroying the communicator under them could block; abort them instead.
+            gpu_idle = self._watch.wait_idle(timeout)
             self._watch.stop()
         with self._cond:
             self._closing = True
@@ -455,15 +459,17 @@ class PartialAllreduce:
         stuck = thread is not None and thread.is_alive()
         # A collective may still be in flight if the thread failed (its peers failed
         # too and never complete it), is stuck, or stopped inside a round.
-        if self._error is not None or stuck or self._in_round:
+        if self._error is not None or stuck or self._in_round or not gpu_idle:
             self._retire_groups()
             return
         if self.backend == "nccl":  # pragma: no cover - needs GPUs
             # Release the engine's NCCL communicator now rather than at garbage collection
             # (torch warns about a NCCL group destroyed without shutdown).
             destroy_group(self._data_pg)
-        # Nothing in flight: the groups' destructors return at once.
+        # Nothing in flight: the groups' destructors return at once; the store clients close
+        # now too, not whenever this object is collected.
         self._header_pg = self._data_pg = None
+        self._control = self._store = None  # type: ignore[assignment]
 
     def _retire_groups(self) -> None:
         """Hands the process groups to a daemon thread that drops them once their collectives timed out.
@@ -505,6 +511,12 @@ class PartialAllreduce:
         produced for later rounds are not part of it, so for a consistent
         resume of all ranks take it right after a synchronous round.
         """
+        if self._cuda_device is not None:  # pragma: no cover - needs GPUs
+            # The copies below block the host until this stream reaches them: wait for it first,
+            # bounded and without the lock (never an unbounded synchronisation under it).
+            caught_up = torch.cuda.Event()
+            caught_up.record(torch.cuda.current_stream(self._cuda_device))
+            self._await_gpu(self._step, "the caller's stream (for a checkpoint)", caught_up)
         with self._cond:
             if self._cuda_device is not None:  # pragma: no cover - needs GPUs
                 # The deposits were written on the stream that arrived: read them after it.
@@ -986,15 +998,16 @@ class PartialAllreduce:
 
     def _expired(self, err: PartialCollectiveTimeout) -> None:  # pragma: no cover - needs GPUs
         """CompletionWatch thread: a round's NCCL kernels did not complete in time; fails the engine."""
+        # First, without the lock: a caller blocked in a host read behind the stuck kernels
+        # (a checkpoint's copy, under self._cond) is released only by the abort.
+        data_pg = self._data_pg
+        if data_pg is not None:
+            abort_group(data_pg)
         with self._cond:
             if self._error is None and not self._closing:
                 self._error = err
             self._cond.notify_all()
         log.error("%s", err)
-        # The stuck kernels return once the communicator is aborted; the caller's next
-        # arrive() (or a waiting one) raises the error above.
-        if self._data_pg is not None:
-            abort_group(self._data_pg)
 
     def _await_gpu(self, r: int, what: str, event: Optional[torch.cuda.Event] = None) -> None:
         """Before a host read of side-stream results: waits for ``event`` (else one recorded now), bounded."""

@@ -149,6 +149,7 @@ class GroupAverage(PartialAllreduce):
         # it, it is recycled when no unreleased result still shows it as ``sent``.
         self._last_sent: list[Tensor] = self.layout.flatten(self._as_list(like))
         self._sent_users: dict[int, int] = {}  # id(buffer set) -> unreleased results showing it (self._cond)
+        self._superseded_at: dict[int, torch.cuda.Event] = {}  # CUDA: id -> event after its last side-stream use
         if self._cuda_device is not None:  # pragma: no cover - needs GPUs
             # Once, at construction: the side stream may read this buffer before any event exists.
             torch.cuda.current_stream(self._cuda_device).synchronize()
@@ -203,9 +204,12 @@ class GroupAverage(PartialAllreduce):
     def _send_buffer(self, deposits: list[_Deposit]) -> list[Tensor]:
         if deposits:
             newest = max(deposits, key=lambda d: d.step)
-            for d in deposits:
-                if d is not newest:
-                    self.layout.recycle(d.flats)  # older models of this rank: superseded
+            with self._side_stream():
+                for d in deposits:
+                    if d is not newest:  # older models of this rank: superseded
+                        if self._stream is not None and d.ready is not None:  # pragma: no cover - needs GPUs
+                            self._stream.wait_event(d.ready)  # the recycle event then follows its writer
+                        self.layout.recycle(d.flats)
             if self._stream is not None and newest.ready is not None:  # pragma: no cover - needs GPUs
                 self._stream.wait_event(newest.ready)
                 for f in newest.flats:
@@ -214,11 +218,16 @@ class GroupAverage(PartialAllreduce):
                 old = self._last_sent
                 self._last_sent, self._last_sent_step = newest.flats, newest.step
                 unused = self._sent_users.get(id(old), 0) == 0
+                if not unused and self._stream is not None:  # pragma: no cover - needs GPUs
+                    # Its last use on the side stream is behind this event; _release_sent waits for it.
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+                    self._superseded_at[id(old)] = event
             if unused:
                 with self._side_stream():  # after the side stream's last use of it (earlier rounds)
                     self.layout.recycle(old)
         if self._stream is not None:  # pragma: no cover - needs GPUs
-            # Every round, the model built from included: the side stream reads it, and the
+            # Every round, the model sent (the initial one included): the side stream reads it, and the
             # allocator must not reuse its block while it does once a newer model replaces it.
             for f in self._last_sent:
                 f.record_stream(self._stream)
@@ -345,7 +354,7 @@ class GroupAverage(PartialAllreduce):
             for f, t in zip(flats, totals):
                 for start in range(0, f.numel(), chunk):
                     diff = f[start : start + chunk].to(torch.float64, copy=True)  # never f itself
-                    diff.sub_(t[start : start + chunk].double(), alpha=1.0 / self.world_size)
+                    diff.sub_(t[start : start + chunk].double() / self.world_size)  # out of place: t is the result
                     acc += diff.square_().sum()
         self._await_gpu(r, "the consensus distance's allreduce")  # bounded, before the host read
         own = float(acc)
@@ -373,9 +382,11 @@ class GroupAverage(PartialAllreduce):
             del self._sent_users[id(sent)]
             if sent is self._last_sent:
                 return  # still the send buffer: the communication thread recycles it once superseded
-        if self._stream is not None:  # pragma: no cover - needs GPUs
-            # The side stream may still read it in a round whose result this caller has not taken yet.
-            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+            event = self._superseded_at.pop(id(sent), None)
+        if event is not None:  # pragma: no cover - needs GPUs
+            # The side stream may still read it in a round whose result this caller has not taken
+            # yet: wait for that last use only, not for every round queued since.
+            torch.cuda.current_stream(self._stream.device).wait_event(event)
         self.layout.recycle(sent)
 
 

@@ -163,6 +163,19 @@ class CompletionWatch:
         with self._lock:
             return [r for r, _, _ in self._queue]
 
+    def wait_idle(self, seconds: float) -> bool:
+        """Whether every enqueued round completed within ``seconds`` (polled; never blocks longer)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            with self._lock:
+                while self._queue and self._queue[0][1].query():
+                    self._queue.popleft()
+                if not self._queue:
+                    return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+
     def stop(self, timeout: float = 5.0) -> None:
         self._stopped.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():

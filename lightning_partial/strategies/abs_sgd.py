@@ -66,6 +66,25 @@ from lightning_partial.strategies.partial import PartialStrategy
 log = logging.getLogger(__name__)
 
 
+def check_validation_schedule(trainer: Any) -> None:
+    """Refuses validation every N batches (``Trainer(val_check_interval=...)`` other than 1.0).
+
+    Under ABS-SGD each rank runs as many batches as its speed allows, so a batch
+    count is reached a different number of times on each rank: the validation's
+    ``sync_dist`` logging, checkpoints and the quiesce barrier would then wait for
+    ranks that never come. Epoch ends are agreed rounds: validate there.
+    """
+    interval = getattr(trainer, "val_check_interval", 1.0)
+    if isinstance(interval, bool) or interval == 1.0 and isinstance(interval, float):
+        return
+    raise ValueError(
+        f"abs_sgd: Trainer(val_check_interval={interval!r}) validates after a number of batches, and each rank "
+        "runs as many batches as its speed allows, so the ranks would validate at different times and wait for "
+        "each other until the timeout. Validate at epoch ends: leave val_check_interval=1.0 (the default) and "
+        "use check_val_every_n_epoch"
+    )
+
+
 class ABSSGDStrategy(PartialStrategy):
     """ABS-SGD over :class:`~lightning_partial.collectives.delayed.DelayedAllreduce` (see the module docstring).
 
@@ -174,6 +193,7 @@ class ABSSGDStrategy(PartialStrategy):
                 f"abs_sgd accumulates micro-batches itself: Trainer(accumulate_grad_batches="
                 f"{trainer.accumulate_grad_batches}) must be 1"
             )
+        check_validation_schedule(trainer)
         self._staleness = compensation.resolve_all(self.staleness_rule, self.optimizers, owner=self.strategy_name,
                                                    spike=True)
         for cb in trainer.checkpoint_callbacks:

@@ -39,8 +39,9 @@ and ``reduce_boolean_decision``, ``all_gather``, the checkpoint's gather, the
 buffer average, the store's address, ABS-SGD's quiesce) run on
 :attr:`PartialStrategy.collective_group`, a gloo group of all ranks made at
 set-up (the default group itself when that is gloo), on host copies of their
-tensors. The default NCCL group is used by the set-up's broadcast of the
-weights, before any engine exists, and by each engine's ``start()``
+tensors. The default NCCL group is used by the set-up (the broadcast of the
+weights, ``new_group`` for the collective group), before any engine exists, and
+by each engine's ``start()``
 (``dist.new_group`` and a one-element allreduce that creates its NCCL
 communicator), on the main thread, before any round can be activated: rounds
 need arrivals, which begin after ``on_train_start``. ``SyncBatchNorm``, which would issue a
@@ -48,6 +49,11 @@ default-group collective in every forward pass, is refused unless rounds are
 fully synchronous (``mode="sync"``). User code that runs its own collectives
 during fit (for example torchmetrics' ``dist_sync``) must pass
 ``process_group=trainer.strategy.collective_group``, as the strategy does.
+In pure ``mode="sync"`` Lightning's per-batch SIGTERM broadcast (and
+``SyncBatchNorm``) still use the default group: there each communication thread
+enters round ``q`` only after its own rank's ``arrive(q)``, and the caller's
+stream waits for round ``q`` before the next batch, so both communicators'
+kernels are launched in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -232,6 +238,7 @@ class PartialStrategy(ParallelStrategy):
         if self._collective_group is None or not tensor.is_cuda:
             return tensor
         return tensor.detach().cpu()
+
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
@@ -365,6 +372,7 @@ class PartialStrategy(ParallelStrategy):
         """The final round of every engine: nothing pending is lost, replicas end identical."""
         if self._stopped:  # stopped by SIGTERM: the engines already ended at the same round
             self._close_engines()
+            self._release_store(agreed=True)
             return
         for index, engine in list(self._engines.items()):
             stats = self._final_round(index, engine)
@@ -372,6 +380,21 @@ class PartialStrategy(ParallelStrategy):
             self.round_stats[index] = stats
         self._close_engines()
         self._average_buffers()
+        self._release_store(agreed=True)
+
+    def _release_store(self, *, agreed: bool) -> None:
+        """Drops this rank's client of the engines' store; rank 0's is its server, which then closes.
+
+        ``agreed``: every rank is here (the end of fit), so a barrier first makes sure that no
+        rank still uses the store (its engines' last key deletions) when rank 0 closes it.
+        Without it (teardown after a failure), the store is dropped at once. Either way a
+        later fit in the same process starts from a new store: none is left behind.
+        """
+        if self._store is None:
+            return
+        if agreed and self.world_size > 1 and _compat._distributed_is_initialized():
+            self.barrier("lightning_partial: release the store")
+        self._store = None
 
     def _average_buffers(self) -> None:
         """Every rank, main thread, collective group, once at the end of fit: makes the buffers identical.
@@ -470,11 +493,12 @@ class PartialStrategy(ParallelStrategy):
         host = self._to_host(tensor)
         if host is tensor:
             return _compat._sync_ddp_if_available(tensor, self.collective_group, reduce_op=reduce_op)
-        dtype = host.dtype
-        if dtype in (torch.float16, torch.bfloat16):
+        if host.dtype in (torch.float16, torch.bfloat16):
             host = host.float()  # what every gloo build reduces
         out = _compat._sync_ddp_if_available(host, self.collective_group, reduce_op=reduce_op)
-        return out.to(device=tensor.device, dtype=dtype)
+        with torch.no_grad():
+            tensor.copy_(out)  # in place, as DDPStrategy's reduce leaves it
+        return tensor
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
@@ -492,6 +516,7 @@ class PartialStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._close_engines()
+        self._release_store(agreed=False)
         super().teardown()
 
     @override
