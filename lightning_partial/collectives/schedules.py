@@ -79,8 +79,8 @@ class ButterflySchedule(Schedule):
         _check_int("group_size", self.group_size, 1)
         if not _is_power_of_two(self.world_size):
             raise ValueError(
-                f"the butterfly schedule needs a power-of-two number of ranks, got world size {self.world_size} "
-                "(use the shuffle schedule, ds_sync, for other sizes)"
+                f"the butterfly schedule needs a power-of-two number of ranks: world_size must be 1, 2, 4, 8, ..., "
+                f"got {self.world_size} (use the shuffle schedule, ds_sync, for other sizes)"
             )
         if not _is_power_of_two(self.group_size):
             raise ValueError(f"group_size must be a power of two, got {self.group_size}")
