@@ -111,8 +111,15 @@ class TensorLayout:
     def take(self) -> list[Tensor]:
         """A buffer set for use on the current stream: a recycled one (after its event), else a new one."""
         with self._lock:
-            entry = self._free.pop() if self._free else None
-            if entry is None:
+            entry = None
+            if self._free:
+                # The most recent set whose last use has completed, else the most recent one:
+                # waiting for an event still pending would put the taker's stream behind
+                # whatever that stream still runs (a round's exchange in flight).
+                ready = next((i for i in range(len(self._free) - 1, -1, -1)
+                              if self._free[i][1] is None or self._free[i][1].query()), len(self._free) - 1)
+                entry = self._free.pop(ready)
+            else:
                 self.allocations += 1
         if entry is None:
             return [torch.empty(b.capacity, dtype=b.dtype, device=b.device) for b in self.buckets]
