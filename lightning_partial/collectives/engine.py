@@ -818,7 +818,7 @@ class PartialAllreduce:
         counts = header[:, _COUNT].tolist()
         divisor = self._divisor(int(sum(counts)))
         if divisor != 1.0:
-            with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            with self._side_stream():
                 for flat in flats:
                     flat.div_(divisor)
         return flats, divisor, {}
@@ -922,30 +922,35 @@ class PartialAllreduce:
         return (limbs << _LIMB_SHIFTS).sum(dim=-1)
 
     def _sum_deposits(self, deposits: list[_Deposit]) -> list[Tensor]:
-        """The send buffer of a round: the deposits' sum, each scaled by its weight, or zeros (side stream on CUDA)."""
-        if self._stream is None:
+        """The send buffer of a round: the deposits' sum, each scaled by its weight, or zeros.
+
+        On CUDA everything runs on the side stream, the one the collective follows. The
+        first deposit's buffers become the round's, reduced in place (no copy per round);
+        the others go back to the pool once added.
+        """
+        with self._side_stream():
             if not deposits:
-                return self.layout.zeros()
-            flats = deposits[0].flats
-            self._accumulate(flats, deposits)
-            for d in deposits[1:]:
-                self.layout.recycle(d.flats)
-            return flats
-        with torch.cuda.stream(self._stream):  # pragma: no cover - needs GPUs
-            if not deposits:
-                # From the pool, zeroed on the side stream, the one the collective follows.
                 return self.layout.zeros()
             for d in deposits:
-                if d.ready is not None:
-                    self._stream.wait_event(d.ready)
-                for f in d.flats:
-                    f.record_stream(self._stream)
-            # In place, as on the host: the deposit's buffers become the round's (no copy per round).
+                self._follow(d)
             flats = deposits[0].flats
             self._accumulate(flats, deposits)
             for d in deposits[1:]:
-                self.layout.recycle(d.flats)  # with an event on the side stream, after the additions
+                self.layout.recycle(d.flats)  # on CUDA with an event on the side stream, after the additions
             return flats
+
+    def _side_stream(self) -> Any:
+        """The engine's side stream as the current one on CUDA; nothing on the host."""
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
+    def _follow(self, deposit: _Deposit) -> None:
+        """CUDA: the side stream reads ``deposit`` only after its producer wrote it, and the allocator knows."""
+        if self._stream is None:
+            return
+        if deposit.ready is not None:  # pragma: no cover - needs GPUs
+            self._stream.wait_event(deposit.ready)
+        for f in deposit.flats:  # pragma: no cover - needs GPUs
+            f.record_stream(self._stream)
 
     @staticmethod
     def _accumulate(flats: list[Tensor], deposits: list[_Deposit]) -> None:

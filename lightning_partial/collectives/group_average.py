@@ -50,7 +50,6 @@ ranks contributed to a round; measured in every global round and every
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from typing import Any, Literal, Optional
@@ -160,6 +159,11 @@ class GroupAverage(PartialAllreduce):
     def start(self) -> "GroupAverage":
         self._last_sent_step = self._step - 1  # the model the engine was built from: after step - 1
         super().start()
+        if self._stream is not None:  # pragma: no cover - needs GPUs
+            # The side stream reads the initial model (later ones are followed as deposits): the
+            # allocator must not reuse its block while it does once a newer model replaces it.
+            for f in self._last_sent:
+                f.record_stream(self._stream)
         return self
 
     def flush(self, tensors: Optional[Tensors] = None) -> RoundResult:
@@ -206,14 +210,9 @@ class GroupAverage(PartialAllreduce):
             newest = max(deposits, key=lambda d: d.step)
             with self._side_stream():
                 for d in deposits:
+                    self._follow(d)  # a superseded one's recycle event then follows its writer
                     if d is not newest:  # older models of this rank: superseded
-                        if self._stream is not None and d.ready is not None:  # pragma: no cover - needs GPUs
-                            self._stream.wait_event(d.ready)  # the recycle event then follows its writer
                         self.layout.recycle(d.flats)
-            if self._stream is not None and newest.ready is not None:  # pragma: no cover - needs GPUs
-                self._stream.wait_event(newest.ready)
-                for f in newest.flats:
-                    f.record_stream(self._stream)
             with self._cond:  # against _release_sent on the caller's thread
                 old = self._last_sent
                 self._last_sent, self._last_sent_step = newest.flats, newest.step
@@ -226,16 +225,8 @@ class GroupAverage(PartialAllreduce):
             if unused:
                 with self._side_stream():  # after the side stream's last use of it (earlier rounds)
                     self.layout.recycle(old)
-        if self._stream is not None:  # pragma: no cover - needs GPUs
-            # Every round, the model sent (the initial one included): the side stream reads it, and the
-            # allocator must not reuse its block while it does once a newer model replaces it.
-            for f in self._last_sent:
-                f.record_stream(self._stream)
         self._round_sent = self._last_sent
         return self._last_sent
-
-    def _side_stream(self) -> Any:
-        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
     def _start_data(self, r: int, flats: list[Tensor], *, global_round: bool) -> tuple[list[tuple[Any, str]], Any]:
         if global_round:
