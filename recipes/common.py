@@ -12,25 +12,41 @@ What the CLI adds to Lightning's:
   linked to the model's arguments.
 * Checks before anything is built: an unknown ``--trainer.strategy``, a missing
   ``--data.data_dir``, a bad ``--data.batch_size`` (and every other option the
-  data modules and models check) end the program with one line naming the
-  option, exit status 2, before any process is launched.
+  data modules, models, callbacks, strategies and Lightning's ``Trainer`` check) end
+  the program with one line naming the option, exit status 2, before any process
+  is launched. So do, once the objects are built, what depends on the world size
+  (``--trainer.devices`` x ``--trainer.num_nodes``: eager_sgd_majority on one rank,
+  wagma_sgd's butterfly on a world that is not a power of two, ``--imbalance.speed``
+  with one factor per rank), options that conflict with the strategy (abs_sgd with
+  ``--trainer.val_check_interval`` or ``--trainer.accumulate_grad_batches``), and a
+  ``--ckpt_path`` that does not exist, is not a checkpoint, or holds engine state
+  that the strategy cannot resume (another engine family's). What only the ranks'
+  set-up can tell (a data file in the wrong format, found when the data is read)
+  ends the same way, before the first batch.
 * The W&B run (``OfflineWandbLogger``) is named ``<recipe>-<strategy>`` unless a
   name is given, and finished at the end of ``fit`` on rank 0.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import lightning_partial  # noqa: F401 - registers eager_sgd, eager_sgd_majority, wagma_sgd, ds_sync (and abs_sgd)
+import torch
+from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_partial.callbacks import LoadImbalance
+from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, CheckpointMismatchError, resume_entry
+from lightning_partial.strategies.partial import PartialStrategy
 
 from recipes.errors import RecipeConfigError
 from recipes.summary import FitSummary
@@ -110,14 +126,59 @@ def _quiet_warnings() -> None:
 _GROUPS = {"LoadImbalance": "imbalance", "FitSummary": "summary", "wandb": "trainer.logger"}
 
 
+_TRAINER_ARGS = frozenset(inspect.signature(Trainer.__init__).parameters) - {"self"}
+# Lightning names the argument in back quotes: "`num_nodes` must be ...", "`accelerator='tpu9'`".
+_BACKQUOTED = re.compile(r"`([A-Za-z_]\w*)(?:=[^`]*)?`")
+#: Checkpoint names Lightning resolves itself (not paths).
+_CKPT_NAMES = ("last", "best", "hpc", "registry")
+
+
 def _option_of(message: str) -> str:
     """The CLI option a library error message is about, as well as it can be told (``config`` otherwise)."""
     for prefix, group in _GROUPS.items():
         if message.startswith(prefix):
-            words = message[len(prefix):].lstrip(": ").split()
-            field = words[0] if words else ""
-            return f"{group}.{field}" if field.isidentifier() and prefix != "wandb" else group
+            field = re.match(r"[A-Za-z_]\w*", message[len(prefix):].lstrip(": "))  # "speed[1] must ...": speed
+            return f"{group}.{field.group()}" if field and prefix != "wandb" else group
+    for name in _BACKQUOTED.findall(message):  # Lightning's Trainer
+        if name in _TRAINER_ARGS:
+            return f"trainer.{name}"
     return "config"
+
+
+_KINDS = (("lightning.pytorch.strategies", "Strategy", "trainer.strategy"),
+          ("lightning.pytorch.loggers", "Logger", "trainer.logger"),
+          ("lightning.pytorch.callbacks", "Callback", "trainer.callbacks"))
+
+
+def _union_error(message: str) -> Optional[RecipeConfigError]:
+    """jsonargparse's "Does not validate against any of the Union subtypes" for a ``class_path`` object
+    (``--trainer.strategy lightning_partial.DSSyncStrategy --trainer.strategy.num_groups 0``) as one line
+    naming the init argument: the class's own message, without the dump of every argument."""
+    if "Union subtypes" not in message:
+        return None
+    reasons = [line.strip()[2:] for line in message.splitlines()
+               if line.strip().startswith("- ") and not line.strip().startswith("- Expected a ")]
+    found = re.search(r"class_path='([\w.]+)'", message)
+    if not reasons or not found:
+        return None
+    import importlib
+
+    module, _, name = found.group(1).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    option = "config"
+    for where, base, key in _KINDS:
+        if isinstance(cls, type) and issubclass(cls, getattr(importlib.import_module(where), base)):
+            option = key
+            break
+    reason = "; ".join(reasons)
+    params = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    argument = next((w for w in re.findall(r"[A-Za-z_]\w*", reason) if w in params), None)
+    if argument is not None and option != "config":
+        option = f"{option}.{argument}"
+    return RecipeConfigError(option, f"{name}: {reason}")
 
 
 class RecipeCLI(LightningCLI):
@@ -158,7 +219,8 @@ class RecipeCLI(LightningCLI):
 
     def _fail(self, error: Exception) -> None:
         """One line on stderr naming the option, exit status 2 (as a command-line usage error)."""
-        where = f"recipes/{self.recipe}.py {self.subcommand or ''}".rstrip()
+        subcommand = getattr(self, "subcommand", None) or self.config.get("subcommand")
+        where = f"recipes/{self.recipe}.py {subcommand or ''}".rstrip()
         print(f"{where}: error: {error}", file=sys.stderr)
         raise SystemExit(2)
 
@@ -176,8 +238,111 @@ class RecipeCLI(LightningCLI):
             super().instantiate_classes()
         except RecipeConfigError as err:
             self._fail(err)
-        except (ValueError, ImportError) as err:  # e.g. LoadImbalance's, a strategy's or wandb's own checks
-            self._fail(RecipeConfigError(_option_of(str(err)), str(err)))
+        except (ValueError, ImportError, TypeError, MisconfigurationException) as err:
+            # LoadImbalance's, a strategy's, wandb's or the Trainer's own checks
+            self._fail(_union_error(str(err)) or RecipeConfigError(_option_of(str(err)), str(err)))
+
+    def after_instantiate_classes(self) -> None:
+        """What needs the built objects, checked before ``fit`` launches any process."""
+        if self.subcommand is None:
+            return
+        try:
+            self._check_world()
+            self._check_resume()
+        except RecipeConfigError as err:
+            self._fail(err)
+
+    def _check_world(self) -> None:
+        """The strategy's and the callbacks' checks that depend on the number of ranks, on this process."""
+        trainer = self.trainer
+        devices, nodes = trainer.num_devices, trainer.num_nodes
+        world = devices * nodes
+        ranks = f"{world} rank(s) (--trainer.devices {devices} x --trainer.num_nodes {nodes})"
+        strategy = trainer.strategy
+        if isinstance(strategy, PartialStrategy) and self.subcommand == "fit":  # evaluation never uses the engines
+            configured = self._section().trainer.strategy
+            name = configured if isinstance(configured, str) else type(strategy).__name__
+            try:
+                strategy.validate_world(world)
+            except ValueError as err:
+                raise RecipeConfigError("trainer.strategy", f"{name} cannot run on {ranks}: {err}") from None
+            try:
+                strategy.check_precision()
+            except ValueError as err:
+                raise RecipeConfigError("trainer.precision", str(err)) from None
+            if strategy.strategy_name == "abs_sgd":
+                from lightning_partial.strategies.abs_sgd import check_validation_schedule
+
+                try:
+                    check_validation_schedule(trainer)
+                except ValueError as err:
+                    raise RecipeConfigError("trainer.val_check_interval", str(err)) from None
+                if trainer.accumulate_grad_batches != 1:
+                    raise RecipeConfigError(
+                        "trainer.accumulate_grad_batches",
+                        f"must be 1 under abs_sgd (it accumulates micro-batches itself), got "
+                        f"{trainer.accumulate_grad_batches}",
+                    )
+        for callback in trainer.callbacks:
+            if not isinstance(callback, LoadImbalance):
+                continue
+            if callback.delay_ms > 0 and callback.stragglers > world:
+                raise RecipeConfigError("imbalance.stragglers",
+                                        f"must be <= the number of ranks, {ranks}; got {callback.stragglers}")
+            if callback.speed is not None and len(callback.speed) != world:
+                raise RecipeConfigError("imbalance.speed", f"needs one factor per rank, {ranks}; got "
+                                                           f"{len(callback.speed)} factors")
+
+    def _ckpt_file(self) -> Optional[Path]:
+        """``--ckpt_path`` as a local file path, or ``None`` (unset, a name Lightning resolves, or a URL)."""
+        subcommand = self.config.get("subcommand")  # (called before self.subcommand is set)
+        value = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not value or not isinstance(value, (str, Path)):
+            return None
+        text = str(value)
+        if text in _CKPT_NAMES or text.startswith("registry:") or "://" in text:
+            return None
+        return Path(text).expanduser()
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's (the model's hyperparameters from the checkpoint), after checking that the file is one."""
+        path = self._ckpt_file()
+        if path is not None and not path.is_file():
+            self._fail(RecipeConfigError(
+                "ckpt_path", f"no checkpoint file at {str(path)!r} (a file written by trainer.save_checkpoint or "
+                             f"ModelCheckpoint, or one of {', '.join(_CKPT_NAMES)})"))
+        try:
+            super()._parse_ckpt_path()
+        except SystemExit:
+            raise
+        except Exception as err:  # noqa: BLE001 - torch.load of a file that is not a checkpoint: any error
+            given = self.config[self.config.subcommand].get("ckpt_path")
+            self._fail(RecipeConfigError("ckpt_path", f"{str(given)!r} cannot be read as a Lightning checkpoint "
+                                                      f"({type(err).__name__}: {str(err).splitlines()[0][:200]})"))
+
+    def _check_resume(self) -> None:
+        """A checkpoint whose engine state the strategy cannot resume (another family's): refused now."""
+        path = self._ckpt_file()
+        strategy = self.trainer.strategy
+        if path is None or not isinstance(strategy, PartialStrategy) or self.subcommand != "fit":
+            return  # (validate / test load the weights only)
+        try:  # mmap: the tensors are not read
+            entry = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get(CHECKPOINT_KEY)
+        except Exception:  # noqa: BLE001 - not readable this way: the strategy's own check at load time decides
+            return
+        try:
+            resume_entry(entry, strategy=strategy.strategy_name, family=strategy.engine_family)
+        except CheckpointMismatchError as err:
+            raise RecipeConfigError("ckpt_path", f"{str(path)!r}: {err.reason}") from None
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Runs the subcommand; a bad option found by the ranks' set-up (before the first batch) ends it as above."""
+        try:
+            super()._run_subcommand(subcommand)
+        except RecipeConfigError as err:
+            self._fail(err)
+        except CheckpointMismatchError as err:
+            self._fail(RecipeConfigError("ckpt_path", str(err)))
 
     def _name_wandb_run(self, section: Any) -> None:
         """Names an unnamed ``OfflineWandbLogger`` run ``<recipe>-<strategy>``."""

@@ -1,17 +1,31 @@
-"""Bad input, catalogued: every entry fails at construction with a ValueError naming the option.
+"""Bad input, catalogued: every entry fails with a ValueError naming the option, before any training.
 
-One table across the four strategies, the engines' configurations, the schedules and
-the callbacks. Each row: what is built, and a pattern the message must contain (the
-option's name; where the option takes names, also one of the allowed values).
-Nothing here starts a process or a group: the checks run before any training.
+Three tables:
+
+* ``CASES``: the four strategies, the engines' configurations, the schedules and the
+  callbacks, refused at construction. Nothing starts a process or a group.
+* ``SETUP_CASES``: what only set-up can tell (the world size, the trainer's other
+  options, the checkpoint being resumed), refused by a 1-process fit in this process
+  before its first batch; a checkpoint refused is left byte for byte as it was.
+* The recipes' command line: ``CLI_CASES`` in ``tests/test_recipes.py`` (exit status 2,
+  one line naming the option, before any process is launched or any batch runs).
+
+Each row: what is built, and a pattern the message must contain (the option's name;
+where the option takes names, also the allowed values). What is deliberately
+accepted is tested too: a checkpoint from another world size (its pending gradients
+remapped, ``tests/test_checkpoint_files.py``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
+import lightning as L
 import pytest
+import torch
 
 from lightning_partial import ABSSGDStrategy, DSSyncStrategy, EagerSGDStrategy, WAGMAStrategy
 from lightning_partial.callbacks import AdaptiveBatchSize, GroupRotation, LoadImbalance, StalenessTracker
@@ -19,6 +33,7 @@ from lightning_partial.collectives import PartialAllreduceConfig
 from lightning_partial.collectives.delayed import DelayedConfig
 from lightning_partial.collectives.schedules import ButterflySchedule, ShuffleSchedule
 from lightning_partial.collectives.staleness import StalenessWeights
+from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, CheckpointMismatchError
 
 CASES: list[tuple[str, Callable[[], Any], str]] = [
     # eager_sgd
@@ -74,6 +89,19 @@ CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("GroupRotation switch_at round 0", lambda: GroupRotation(switch_at={0: ButterflySchedule(world_size=4, group_size=2)}),
      r"switch_at"),
     ("StalenessTracker log not a bool", lambda: StalenessTracker(log="yes"), r"log"),
+    # wrong types
+    ("wagma_sgd group size as a string", lambda: WAGMAStrategy(group_size="2"), r"group_size.*power of two"),
+    ("wagma_sgd global_every as a string", lambda: WAGMAStrategy(global_every="10"), r"global_every"),
+    ("wagma_sgd mode None", lambda: WAGMAStrategy(mode=None), r"mode.*solo, majority, quorum, sync"),
+    ("ds_sync num_groups as a float", lambda: DSSyncStrategy(num_groups=2.5), r"num_groups.*integer"),
+    ("ds_sync negative timeout", lambda: DSSyncStrategy(timeout=timedelta(seconds=-1)), r"timeout.*timedelta"),
+    ("abs_sgd target_samples as a string", lambda: ABSSGDStrategy(target_samples="64"), r"target_samples"),
+    ("abs_sgd negative time interval", lambda: ABSSGDStrategy(trigger="time", interval=-1.0), r"interval"),
+    ("eager_sgd quorum as a string", lambda: EagerSGDStrategy(mode="quorum", quorum="3"), r"quorum.*integer"),
+    ("LoadImbalance delay as a string", lambda: LoadImbalance(delay_ms="5"), r"delay_ms"),
+    ("LoadImbalance speed not a sequence", lambda: LoadImbalance(speed=0.5), r"speed.*sequence"),
+    ("AdaptiveBatchSize window as a float", lambda: AdaptiveBatchSize(window=2.5), r"window.*integer"),
+    ("GroupRotation schedule by name", lambda: GroupRotation(schedule="butterfly"), r"schedule.*Schedule"),
 ]
 
 
@@ -83,5 +111,155 @@ def test_bad_input_fails_at_construction_naming_the_option(build: Callable[[], A
         build()
 
 
-def test_the_table_is_long_enough() -> None:
-    assert len(CASES) >= 25
+# ------------------------------------------------------------------ set-up: world size, trainer, checkpoints
+class _Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Batches(L.Callback):
+    """Records every training batch that starts (a refused configuration must leave it empty)."""
+
+    def __init__(self, seen: list[int]) -> None:
+        self.seen = seen
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
+        self.seen.append(i)
+
+
+class _SaveAt(L.Callback):
+    def __init__(self, path: Path, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def tiny_fit(root: Path, strategy: Any, *, seen: list[int], callbacks: tuple = (), ckpt_path: Any = None,
+             steps: int = 3, **trainer_kwargs: Any) -> L.Trainer:
+    """A 1-process fit in this process (the strategies' set-up runs for real: gloo, one rank)."""
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                        callbacks=[_Batches(seen), *callbacks], enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=root,
+                        **trainer_kwargs)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+    trainer.fit(_Tiny(), torch.utils.data.DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def eager_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real checkpoint: eager_sgd, 1 process, saved mid-fit after step 2 (engine state included)."""
+    root = tmp_path_factory.mktemp("eager_checkpoint")
+    path = root / "mid.ckpt"
+    tiny_fit(root, EagerSGDStrategy(), seen=[], callbacks=(_SaveAt(path, 2),))
+    entry = torch.load(path, weights_only=True)[CHECKPOINT_KEY]
+    assert entry["strategy"] == "eager_sgd" and entry["family"] == "gradients" and entry["world_size"] == 1
+    return path
+
+
+def variant(source: Path, target: Path, **changes: Any) -> Path:
+    """A copy of checkpoint ``source`` with its engine entry changed (``engines=None`` removes the engines)."""
+    checkpoint = torch.load(source, weights_only=True)
+    entry = checkpoint[CHECKPOINT_KEY]
+    for key, value in changes.items():
+        if value is None:
+            entry.pop(key)
+        else:
+            entry[key] = value
+    torch.save(checkpoint, target)
+    return target
+
+
+def _two_ranks_at(steps: tuple[int, int]) -> Callable[[dict[str, Any]], dict[int, list[dict[str, Any]]]]:
+    return lambda state: {0: [{**state, "step": s} for s in steps]}
+
+
+def _from(strategy: str, family: str) -> Callable[[Path, Path], Path]:
+    """The real eager_sgd checkpoint, relabelled as written by ``strategy`` of ``family``."""
+    return lambda src, tmp: variant(src, tmp / f"{strategy}.ckpt", strategy=strategy, family=family)
+
+
+def _rounds_apart(src: Path, tmp: Path) -> Path:
+    state = torch.load(src, weights_only=True)[CHECKPOINT_KEY]["engines"][0][0]
+    return variant(src, tmp / "apart.ckpt", world_size=2, engines=_two_ranks_at((2, 3))(state))
+
+
+SetupBuild = Callable[[Path, Path], tuple[Any, dict[str, Any]]]
+SETUP_CASES: list[tuple[str, SetupBuild, str]] = [
+    # the world size (one process here)
+    ("eager_sgd majority on one rank", lambda src, tmp: (EagerSGDStrategy(mode="majority"), {}),
+     r"mode='majority' needs at least 2 ranks.*'sync' or 'solo'"),
+    ("eager_sgd quorum above the world size", lambda src, tmp: (EagerSGDStrategy(mode="quorum", quorum=2), {}),
+     r"quorum must be in 1\.\.1"),
+    ("wagma_sgd group larger than the world", lambda src, tmp: (WAGMAStrategy(group_size=4), {}),
+     r"group_size 4 exceeds the world size 1"),
+    ("ds_sync more groups than ranks", lambda src, tmp: (DSSyncStrategy(num_groups=2), {}),
+     r"num_groups 2 exceeds the world size 1"),
+    ("GroupRotation schedule built for 4 ranks", lambda src, tmp: (
+        WAGMAStrategy(), {"callbacks": (GroupRotation(schedule=ButterflySchedule(world_size=4, group_size=2)),)}),
+     r"built for 4 ranks"),
+    ("LoadImbalance speed for 2 ranks", lambda src, tmp: (EagerSGDStrategy(), {"callbacks": (LoadImbalance(
+        speed=[1.0, 0.5]),)}), r"speed needs one factor per rank"),
+    ("LoadImbalance more stragglers than ranks", lambda src, tmp: (EagerSGDStrategy(), {"callbacks": (LoadImbalance(
+        delay_ms=1.0, stragglers=2),)}), r"stragglers \(2\) must be <= the world size"),
+    # conflicting trainer options
+    ("abs_sgd with validation every half epoch", lambda src, tmp: (ABSSGDStrategy(), {"val_check_interval": 0.5}),
+     r"val_check_interval"),
+    ("abs_sgd with gradient accumulation", lambda src, tmp: (ABSSGDStrategy(), {"accumulate_grad_batches": 2}),
+     r"accumulate_grad_batches.*must be 1"),
+    # a checkpoint written by a strategy of another family (its pending state would be lost)
+    ("eager_sgd checkpoint under wagma_sgd", lambda src, tmp: (WAGMAStrategy(), {"ckpt_path": src}),
+     r"written by strategy 'eager_sgd' \(engine family 'gradients'.*'wagma_sgd'.*eager_sgd, eager_sgd_majority"
+     r".*drop_engine_state"),
+    ("eager_sgd checkpoint under ds_sync", lambda src, tmp: (DSSyncStrategy(), {"ckpt_path": src}),
+     r"written by strategy 'eager_sgd'.*'ds_sync' belongs to the 'models' family"),
+    ("eager_sgd checkpoint under abs_sgd", lambda src, tmp: (ABSSGDStrategy(), {"ckpt_path": src}),
+     r"written by strategy 'eager_sgd'.*'abs_sgd' belongs to the 'abs_sgd' family"),
+    ("wagma_sgd checkpoint under eager_sgd", lambda src, tmp: (EagerSGDStrategy(), {
+        "ckpt_path": _from("wagma_sgd", "models")(src, tmp)}),
+     r"written by strategy 'wagma_sgd' \(engine family 'models'.*'eager_sgd'.*wagma_sgd, ds_sync"),
+    ("abs_sgd checkpoint under eager_sgd", lambda src, tmp: (EagerSGDStrategy(), {
+        "ckpt_path": _from("abs_sgd", "abs_sgd")(src, tmp)}),
+     r"written by strategy 'abs_sgd'.*Resume it with one of: abs_sgd"),
+    # a checkpoint that is not a consistent cut, or not this library's
+    ("checkpoint saved with the ranks at different rounds", lambda src, tmp: (EagerSGDStrategy(), {
+        "ckpt_path": _rounds_apart(src, tmp)}), r"different rounds \[2, 3\]"),
+    ("checkpoint entry without engines", lambda src, tmp: (EagerSGDStrategy(), {
+        "ckpt_path": variant(src, tmp / "bare.ckpt", engines=None)}), r"'lightning_partial' entry is malformed"),
+]
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("build, pattern", [c[1:] for c in SETUP_CASES], ids=[c[0] for c in SETUP_CASES])
+def test_bad_setup_fails_before_the_first_batch(tmp_path: Path, eager_checkpoint: Path, build: SetupBuild,
+                                                pattern: str) -> None:
+    strategy, kwargs = build(eager_checkpoint, tmp_path)
+    ckpt = kwargs.get("ckpt_path")
+    before = _digest(ckpt) if ckpt is not None else None
+    seen: list[int] = []
+    with pytest.raises(ValueError, match=pattern) as exc:
+        tiny_fit(tmp_path, strategy, seen=seen, **kwargs)
+    assert seen == [], f"{len(seen)} batches ran before the error"
+    if ckpt is not None:
+        assert isinstance(exc.value, CheckpointMismatchError)
+        assert str(ckpt) in str(exc.value)  # names the file given as ckpt_path
+        assert _digest(ckpt) == before  # the refused checkpoint is left as it was
+
+
+def test_the_tables_are_long_enough() -> None:
+    assert len(CASES) >= 25 and len(SETUP_CASES) >= 15

@@ -185,19 +185,33 @@ def test_resume_from_a_mid_run_checkpoint_continues_the_rounds(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_resume_across_families_ignores_the_engine_state_with_a_warning(tmp_path):
-    """eager_sgd's checkpoint holds pending gradients; wagma_sgd cannot use them: it says so and starts afresh."""
+def test_resume_across_families_is_refused_unless_the_engine_state_is_dropped(tmp_path):
+    """eager_sgd's checkpoint holds pending gradients; wagma_sgd cannot use them: the resume is refused before
+    any batch, naming both strategies; after drop_engine_state (the explicit choice) it starts afresh."""
+    from lightning_partial.strategies.checkpoint import drop_engine_state
+
     first = tmp_path / "first"
     run_fit(first, "eager_sgd", "--straggle-ms", "10", "--steps", "8", "--save-at", "4")
     assert torch.load(first / "mid.ckpt", weights_only=False)[CHECKPOINT_KEY]["family"] == "gradients"
-    second = tmp_path / "second"
+    refused = tmp_path / "refused"
     proc = subprocess.run(
-        fit_command(second, "--strategy", "wagma_sgd", "--steps", "8", "--rotation", "2", "--resume",
+        fit_command(refused, "--strategy", "wagma_sgd", "--steps", "8", "--rotation", "2", "--resume",
                     str(first / "mid.ckpt")),
         env=FIT_ENV, capture_output=True, text=True, timeout=240,
     )
+    assert proc.returncode != 0
+    assert "CheckpointMismatchError" in proc.stderr and "written by strategy 'eager_sgd'" in proc.stderr, (
+        proc.stderr[-3000:]
+    )
+    assert not (refused / "pids").exists()  # refused before on_train_start on every rank: no batch ran
+    drop_engine_state(first / "mid.ckpt", first / "weights.ckpt")
+    second = tmp_path / "second"
+    proc = subprocess.run(
+        fit_command(second, "--strategy", "wagma_sgd", "--steps", "8", "--rotation", "2", "--resume",
+                    str(first / "weights.ckpt")),
+        env=FIT_ENV, capture_output=True, text=True, timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "exchanges gradients" in proc.stderr and "start afresh at round 0" in proc.stderr, proc.stderr[-3000:]
     record = json.loads((second / "callbacks0.json").read_text())
     assert [g["round_index"] for g in record["groups"]] == list(range(4))  # 4 more steps, rounds from 0
     assert_identical(second)

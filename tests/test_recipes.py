@@ -427,25 +427,194 @@ def cli_error(recipe: str, capsys: pytest.CaptureFixture[str], *args: str) -> st
     return capsys.readouterr().err
 
 
+# Bad input on the recipes' command line, catalogued (the library's own tables: tests/test_bad_input.py).
+# Each row: recipe, arguments ({name} is a file from `bad_files`), and patterns the one-line error must
+# contain: the option, and where the option takes names, the allowed values. Every row must end the
+# program with exit status 2 before a second process is launched and before any training batch runs.
+_ABS = ["--trainer.strategy", "abs_sgd"]
+_R18 = ["--model.arch", "resnet18"]  # cheaper to build than resnet50
+CLI_CASES: list[tuple[str, str, list[str], list[str]]] = [
+    # unknown names
+    ("unknown strategy", "cifar_resnet", ["--trainer.strategy", "eager"],
+     [r"--trainer\.strategy: unknown strategy 'eager'", "eager_sgd, eager_sgd_majority, wagma_sgd, ds_sync"]),
+    ("unknown strategy (translation)", "translation_transformer", ["--trainer.strategy", "wagma"],
+     [r"--trainer\.strategy", "wagma_sgd"]),
+    ("unknown dataset", "cifar_resnet", ["--data.dataset", "cifar1000"], [r"data\.dataset", "cifar10", "cifar100"]),
+    ("unknown optimizer", "cifar_resnet", ["--model.optimizer", "adam"], [r"model\.optimizer", "sgd", "adamw"]),
+    ("unknown lr schedule", "cifar_resnet", ["--model.lr_schedule", "linear"],
+     [r"model\.lr_schedule", "constant", "cosine", "inverse_sqrt"]),
+    ("unknown torchvision model", "imagenet_resnet50", ["--model.arch", "resnet51"],
+     [r"--model\.arch: unknown .*'resnet51'", "resnet50"]),
+    ("unknown accelerator", "cifar_resnet", ["--trainer.accelerator", "tpu9"],
+     [r"--trainer\.accelerator: .*'tpu9'", "cpu"]),
+    ("unknown eager_sgd mode (class_path)", "cifar_resnet",
+     ["--trainer.strategy", "lightning_partial.EagerSGDStrategy", "--trainer.strategy.mode", "fastest"],
+     [r"--trainer\.strategy\.mode: EagerSGDStrategy: unknown mode 'fastest'", "solo, majority, quorum, sync"]),
+    # wrong types
+    ("batch size not a number", "cifar_resnet", ["--data.batch_size", "abc"], [r"data\.batch_size", "int"]),
+    ("augment not a bool", "cifar_resnet", ["--data.augment", "maybe"], [r"data\.augment", "bool"]),
+    ("devices not a number", "cifar_resnet", ["--trainer.devices", "abc"], [r"--trainer\.devices: .*int > 0"]),
+    ("speed not a list", "cifar_resnet", ["--imbalance.speed", "fast"], [r"imbalance\.speed"]),
+    # out of range
+    ("batch size 0", "cifar_resnet", ["--data.batch_size", "0"], [r"--data\.batch_size: must be an integer >= 1"]),
+    ("batch size negative", "imagenet_resnet50", ["--data.batch_size", "-8", *_R18], [r"--data\.batch_size"]),
+    ("image size 4", "cifar_resnet", ["--data.image_size", "4"], [r"--data\.image_size: must be an integer >= 8"]),
+    ("negative workers", "cifar_resnet", ["--data.num_workers", "-1"], [r"--data\.num_workers"]),
+    ("max_len 0", "translation_transformer", ["--data.max_len", "0"], [r"--data\.max_len"]),
+    ("ResNet depth 21", "cifar_resnet", ["--model.depth", "21"], [r"--model\.depth: .*6n \+ 2", "20, 32, 44, 56, 110"]),
+    ("WideResNet depth 27", "cifar_wideresnet", ["--model.depth", "27"], [r"--model\.depth", "10, 16, 22, 28, 40"]),
+    ("momentum 1.5", "cifar_resnet", ["--model.momentum", "1.5"], [r"--model\.momentum: must be a number in \[0"]),
+    ("learning rate 0", "cifar_resnet", ["--model.lr", "0"], [r"--model\.lr: must be a number in \(0"]),
+    ("negative delay", "cifar_resnet", ["--imbalance.delay_ms", "-1"], [r"--imbalance\.delay_ms"]),
+    ("speed factor above 1", "cifar_resnet", ["--imbalance.speed", "[1.0,2.0]"], [r"--imbalance\.speed: .*\(0, 1\]"]),
+    ("max_epochs -5", "cifar_resnet", ["--trainer.max_epochs", "-5"], [r"--trainer\.max_epochs: .*-1"]),
+    ("num_nodes 0", "cifar_resnet", ["--trainer.num_nodes", "0"], [r"--trainer\.num_nodes: .*positive"]),
+    ("ds_sync num_groups 0 (class_path)", "cifar_wideresnet",
+     ["--trainer.strategy", "lightning_partial.DSSyncStrategy", "--trainer.strategy.num_groups", "0"],
+     [r"--trainer\.strategy\.num_groups: DSSyncStrategy: num_groups must be an integer >= 1"]),
+    # conflicting options
+    ("min_frames above max_frames", "ucf101_lstm", ["--data.min_frames", "20", "--data.max_frames", "10"],
+     [r"--data\.min_frames: must be <= data\.max_frames"]),
+    ("d_model not divisible by nhead", "translation_transformer", ["--model.nhead", "3"],
+     [r"--model\.d_model: .*model\.nhead \(3\)"]),
+    ("abs_sgd with validation every half epoch", "cifar_resnet18", [*_ABS, "--trainer.val_check_interval", "0.5"],
+     [r"--trainer\.val_check_interval"]),
+    ("abs_sgd with gradient accumulation", "cifar_resnet18", [*_ABS, "--trainer.accumulate_grad_batches", "2"],
+     [r"--trainer\.accumulate_grad_batches: must be 1 under abs_sgd"]),
+    # the world size (--trainer.devices x --trainer.num_nodes)
+    ("majority on one rank", "cifar_resnet", ["--trainer.strategy", "eager_sgd_majority"],
+     [r"--trainer\.strategy: eager_sgd_majority cannot run on 1 rank", "'sync' or 'solo'"]),
+    ("butterfly on 3 ranks", "cifar_resnet", ["--trainer.strategy", "wagma_sgd", "--trainer.devices", "3"],
+     [r"--trainer\.strategy: wagma_sgd cannot run on 3 rank", "power-of-two", "1, 2, 4, 8"]),
+    ("more stragglers than ranks", "cifar_resnet", ["--imbalance.delay_ms", "5", "--imbalance.stragglers", "2"],
+     [r"--imbalance\.stragglers: must be <= the number of ranks, 1"]),
+    ("speed for 2 ranks on 1", "cifar_resnet", ["--imbalance.speed", "[1.0,0.5]"],
+     [r"--imbalance\.speed: needs one factor per rank"]),
+    # data directories that do not exist or hold the wrong format (the recipes' real loaders)
+    ("cifar data_dir missing", "cifar_resnet", ["--data.data_dir", "/nonexistent/cifar"],
+     [r"--data\.data_dir: directory .* does not exist"]),
+    ("ucf101 data_dir missing", "ucf101_lstm", ["--data.data_dir", "/nonexistent/ucf101"],
+     [r"--data\.data_dir: directory .* does not exist", "train.csv"]),
+    ("translation data_dir missing", "translation_transformer", ["--data.data_dir", "/nonexistent/wmt"],
+     [r"--data\.data_dir: directory .* does not exist"]),
+    ("data_dir is a file", "cifar_resnet", ["--data.data_dir", "{a_file}"], [r"--data\.data_dir: .* is not a directory"]),
+    ("cifar data_dir holds image folders", "cifar_resnet", ["--data.data_dir", "{image_folders}"],
+     [r"--data\.data_dir: no cifar10 python batches", "cifar-10-batches-py/data_batch_1"]),
+    ("cifar batch in the binary format", "cifar_resnet", ["--data.data_dir", "{cifar_binary}"],
+     [r"--data\.data_dir: .*data_batch_1' is not a CIFAR python batch \(not a pickle file"]),
+    ("cifar batch truncated (found at set-up)", "cifar_resnet", ["--data.data_dir", "{cifar_truncated}"],
+     [r"--data\.data_dir: .*data_batch_3' is not a CIFAR python batch", "truncated"]),
+    ("cifar-100 files for cifar10", "cifar_resnet", ["--data.data_dir", "{cifar100}"],
+     [r"--data\.data_dir: no cifar10 python batches", "--data.dataset"]),
+    ("image folders without images", "imagenet_resnet50", ["--data.data_dir", "{folders_of_text}", *_R18],
+     [r"--data\.data_dir: .* holds no image file", ".jpg"]),
+    ("image data_dir holds CIFAR", "imagenet_resnet50", ["--data.data_dir", "{cifar_truncated}", *_R18],
+     [r"--data\.data_dir: no train/ folder"]),
+    ("ucf101 feature file not .npy", "ucf101_lstm", ["--data.data_dir", "{video_not_npy}"],
+     [r"--data\.data_dir: .*\.npy' is not a NumPy \.npy feature file"]),
+    ("ucf101 label file without header", "ucf101_lstm", ["--data.data_dir", "{video_no_header}"],
+     [r"--data\.data_dir: .*train\.csv' must have the header 'video,label'"]),
+    ("translation file not UTF-8", "translation_transformer", ["--data.data_dir", "{text_not_utf8}"],
+     [r"--data\.data_dir: .*train\.de' is not UTF-8 text"]),
+    ("translation without validation files", "translation_transformer", ["--data.data_dir", "{text_train_only}"],
+     [r"--data\.data_dir: the val source file not found", "valid.en"]),
+    # checkpoints
+    ("ckpt_path missing", "cifar_resnet", ["--ckpt_path", "/nonexistent/last.ckpt"],
+     [r"--ckpt_path: no checkpoint file at '/nonexistent/last\.ckpt'", "last, best"]),
+    ("ckpt_path not a checkpoint", "cifar_resnet", ["--ckpt_path", "{not_a_checkpoint}"],
+     [r"--ckpt_path: .* cannot be read as a Lightning checkpoint"]),
+    ("eager_sgd checkpoint under wagma_sgd", "cifar_resnet", ["--trainer.strategy", "wagma_sgd", "--ckpt_path",
+                                                              "{eager_checkpoint}"],
+     [r"--ckpt_path: .*written by strategy 'eager_sgd'", "'wagma_sgd'", "eager_sgd, eager_sgd_majority",
+      "drop_engine_state"]),
+    ("wagma_sgd checkpoint under eager_sgd", "cifar_resnet", ["--ckpt_path", "{wagma_checkpoint}"],
+     [r"--ckpt_path: .*written by strategy 'wagma_sgd'", "wagma_sgd, ds_sync"]),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Real-format files made wrong in one way each (and two checkpoints of the wrong engine family)."""
+    from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY
+
+    root = tmp_path_factory.mktemp("bad_files")
+    files: dict[str, Path] = {}
+    files["a_file"] = root / "a_file"
+    files["a_file"].write_text("not a directory\n")
+    files["image_folders"] = write_image_folder(root / "image_folders", classes=2, per_class=1, size=8)
+    files["cifar_binary"] = write_cifar(root / "cifar_binary", per_batch=2)
+    (root / "cifar_binary" / "cifar-10-batches-py" / "data_batch_1").write_bytes(bytes(range(256)) * 4)
+    files["cifar_truncated"] = write_cifar(root / "cifar_truncated", per_batch=2)
+    batch = root / "cifar_truncated" / "cifar-10-batches-py" / "data_batch_3"
+    batch.write_bytes(batch.read_bytes()[:100])
+    files["cifar100"] = write_cifar(root / "cifar100", "cifar100", per_batch=2)
+    files["folders_of_text"] = root / "folders_of_text"
+    for split in ("train", "val"):
+        (root / "folders_of_text" / split / "n0").mkdir(parents=True)
+        (root / "folders_of_text" / split / "n0" / "readme.txt").write_text("no image here\n")
+    files["video_not_npy"] = write_video_features(root / "video_not_npy", videos=4, dim=4)
+    first = (root / "video_not_npy" / "train.csv").read_text().splitlines()[1].split(",")[0]
+    (root / "video_not_npy" / first).write_text("0.1 0.2 0.3 0.4\n")
+    files["video_no_header"] = write_video_features(root / "video_no_header", videos=4, dim=4)
+    rows = (root / "video_no_header" / "train.csv").read_text().splitlines()[1:]
+    (root / "video_no_header" / "train.csv").write_text("\n".join(rows) + "\n")
+    files["text_not_utf8"] = write_parallel_text(root / "text_not_utf8", lines=6)
+    (root / "text_not_utf8" / "train.de").write_bytes("Haus\n".encode("utf-16"))
+    files["text_train_only"] = write_parallel_text(root / "text_train_only", lines=6)
+    for name in ("valid.en", "valid.de"):
+        (root / "text_train_only" / name).unlink()
+    files["not_a_checkpoint"] = root / "notes.ckpt"
+    files["not_a_checkpoint"].write_text("epoch=3 step=120\n")
+    state = {"step": 7, "initiator_rng": None, "pending": [], "pending_steps": [], "dropped": 0}
+    for strategy, family in (("eager_sgd", "gradients"), ("wagma_sgd", "models")):
+        files[f"{strategy.split('_')[0]}_checkpoint"] = path = root / f"{strategy}.ckpt"
+        torch.save({"state_dict": {}, "global_step": 7, CHECKPOINT_KEY: {
+            "strategy": strategy, "family": family, "world_size": 2, "engines": {0: [state, state]}}}, path)
+    return files
+
+
+@pytest.fixture
+def refused_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launching a second process or starting the training loop fails the test: every refusal comes first."""
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    launch = _SubprocessScriptLauncher._call_children_scripts
+
+    def no_children(self: Any) -> None:
+        assert self.num_processes * self.num_nodes == 1, "a process was launched before the error"
+        launch(self)
+
+    def no_training(self: Any) -> None:
+        raise AssertionError("training started before the error")
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", no_children)
+    monkeypatch.setattr(_FitLoop, "run", no_training)
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("recipe, args, option", [
-    ("cifar_resnet", ["--trainer.strategy", "eager"], "--trainer.strategy"),
-    ("translation_transformer", ["--trainer.strategy", "wagma"], "--trainer.strategy"),
-    ("cifar_resnet", ["--data.data_dir", "/nonexistent/cifar"], "--data.data_dir"),
-    ("ucf101_lstm", ["--data.data_dir", "/nonexistent/ucf101"], "--data.data_dir"),
-    ("cifar_resnet", ["--data.batch_size", "0"], "--data.batch_size"),
-    ("imagenet_resnet50", ["--data.batch_size", "-8"], "--data.batch_size"),
-    ("cifar_resnet", ["--data.batch_size", "abc"], "data.batch_size"),
-    ("cifar_resnet", ["--model.depth", "21"], "--model.depth"),
-    ("cifar_wideresnet", ["--model.depth", "27"], "--model.depth"),
-    ("cifar_resnet", ["--imbalance.delay_ms", "-1"], "--imbalance.delay_ms"),
-    ("imagenet_resnet50", ["--model.arch", "resnet51"], "--model.arch"),
-])
-def test_wrong_config_fails_naming_the_option(capsys: pytest.CaptureFixture[str], recipe: str, args: list[str],
-                                              option: str) -> None:
-    err = cli_error(recipe, capsys, *args)
-    assert option in err, err
-    assert "Traceback" not in err, err
+@pytest.mark.parametrize("recipe, args, patterns", [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
+def test_bad_command_line_fails_naming_the_option(refused_early: None, bad_files: dict[str, Path], tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str], recipe: str, args: list[str],
+                                                  patterns: list[str]) -> None:
+    import re
+
+    given = [a.format(**bad_files) for a in args]
+    before = {p: p.read_bytes() for p in bad_files.values() if p.is_file()}
+    common = ["--trainer.devices", "1", "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path),
+              "--trainer.enable_progress_bar", "false"]  # no fast_dev_run: the checks see the real options
+    with pytest.raises(SystemExit) as exc:
+        RECIPES[recipe].run(args=["fit", *common, *given])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    for pattern in patterns:
+        assert re.search(pattern, err), f"{pattern!r} not in:\n{err[-3000:]}"
+    assert {p: p.read_bytes() for p in before} == before  # nothing on disk was touched
+
+
+def test_the_command_line_table_is_long_enough() -> None:
+    assert len(CLI_CASES) >= 25
 
 
 def test_unknown_strategy_message_lists_the_choices(capsys: pytest.CaptureFixture[str]) -> None:

@@ -441,7 +441,12 @@ class PartialStrategy(ParallelStrategy):
 
         One ``gather_object`` on the collective group per checkpoint (see
         :mod:`lightning_partial.strategies.checkpoint` for why the cut is consistent).
+        Rank 0 writes the file atomically (a temporary file in the same directory,
+        then ``os.replace``) with the default ``TorchCheckpointIO`` and a local path;
+        remote paths and other ``CheckpointIO`` plugins keep their own behaviour.
         """
+        from lightning_partial.strategies.checkpoint import write_checkpoint
+
         states = {i: e.state_dict() for i, e in self._engines.items()} or dict(self._final_states)
         if states and _compat._distributed_is_initialized():
             entry = gather_engine_states(
@@ -454,14 +459,26 @@ class PartialStrategy(ParallelStrategy):
             )
             if entry is not None:
                 checkpoint[CHECKPOINT_KEY] = entry
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self.is_global_zero:  # as Strategy.save_checkpoint, with an atomic write
+            write_checkpoint(self.checkpoint_io, checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Keeps the engines' state of a checkpoint for the engines created at ``on_train_start``."""
+        """Keeps the engines' state of a checkpoint for the engines created at ``on_train_start``.
+
+        Raises ``CheckpointMismatchError`` (a ``ValueError``), before set-up ends, for engine
+        state this strategy cannot resume: another engine family's, or one saved while the
+        ranks were at different rounds (see :func:`~lightning_partial.strategies.checkpoint.resume_entry`).
+        Only when fitting: validate / test / predict load the weights and never touch the engines.
+        """
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
+            self._resume_state = None
+            return checkpoint
         self._resume_state = resume_entry(
-            checkpoint.get(CHECKPOINT_KEY), strategy=self.strategy_name, family=self.engine_family
+            checkpoint.get(CHECKPOINT_KEY), strategy=self.strategy_name, family=self.engine_family,
+            source=checkpoint_path,
         )
         return checkpoint
 

@@ -26,6 +26,7 @@ sub-directory names of ``train/``, sorted.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -94,10 +95,28 @@ def find_cifar_dir(data_dir: Path, dataset: str) -> Path:
     )
 
 
+def _check_pickle(path: Path) -> None:
+    """A cheap look at a CIFAR batch's first bytes (the files are read at set-up): a pickle starts with an opcode."""
+    with open(path, "rb") as f:
+        head = f.read(2)
+    # Protocol 2+ (the published archives, and any pickle.dump since Python 3) starts with PROTO (0x80);
+    # protocols 0 and 1 start with a MARK, an empty dict or a GLOBAL.
+    if not head or not (head[0] == 0x80 or head[:1] in (b"(", b"}", b"c", b"]")):
+        raise RecipeConfigError("data.data_dir", f"{str(path)!r} is not a CIFAR python batch (not a pickle file; "
+                                                 f"it starts with {head!r}): expected the files of the extracted "
+                                                 "python version archive, not the binary or MATLAB version")
+
+
 def read_cifar_file(path: Path, label_key: bytes) -> tuple[torch.Tensor, torch.Tensor]:
     """One pickled batch: images ``[N, 3, 32, 32]`` uint8 and labels ``[N]`` int64."""
-    with open(path, "rb") as f:
-        entry = pickle.load(f, encoding="bytes")
+    try:
+        with open(path, "rb") as f:
+            entry = pickle.load(f, encoding="bytes")
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError) as err:
+        raise RecipeConfigError(
+            "data.data_dir", f"{str(path)!r} is not a CIFAR python batch (not a pickle file: "
+                             f"{type(err).__name__}: {str(err)[:120]}); expected the files of the extracted python "
+                             "version archive") from None
     try:
         data, labels = entry[b"data"], entry[label_key]
     except (KeyError, TypeError) as err:
@@ -145,6 +164,16 @@ class TensorImages(Dataset):
 
 
 # ------------------------------------------------------------------------- data modules
+#: What torchvision's ImageFolder reads (``torchvision.datasets.folder.IMG_EXTENSIONS``).
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def _has_image(folder: Path) -> bool:
+    """Whether ``folder`` holds a file ImageFolder would read (stops at the first one)."""
+    with os.scandir(folder) as entries:
+        return any(e.name.lower().endswith(IMAGE_EXTENSIONS) for e in entries if e.is_file())
+
+
 class ImageDataModule(RecipeDataModule):
     """Base of the image data modules: the built-in images and their options.
 
@@ -225,8 +254,12 @@ class CIFARDataModule(ImageDataModule):
             raise RecipeConfigError("data.dataset", f"must be cifar10 or cifar100, got {dataset!r}")
         self.dataset = dataset
         self.augment = augment
-        if self.data_dir is not None:
-            find_cifar_dir(self.data_dir, dataset)  # fail now, naming the option, rather than in setup
+        if self.data_dir is not None:  # fail now, naming the option, rather than in setup
+            root = find_cifar_dir(self.data_dir, dataset)
+            _, train_files, test_files, _, _ = _CIFAR_LAYOUT[dataset]
+            for name in train_files + test_files:
+                require_file(root / name, "data.data_dir", f"{dataset} batch {name!r}")
+            _check_pickle(root / train_files[0])
 
     def _real_num_classes(self) -> int:
         return _CIFAR_LAYOUT[self.dataset][4]
@@ -281,6 +314,11 @@ class ImageFolderDataModule(ImageDataModule):
             names[split] = sorted(p.name for p in folder.iterdir() if p.is_dir())
             if not names[split]:
                 raise RecipeConfigError("data.data_dir", f"{str(folder)!r} has no class sub-folder")
+            for name in names[split]:
+                if not _has_image(folder / name):
+                    raise RecipeConfigError(
+                        "data.data_dir", f"{str(folder / name)!r} holds no image file (extensions "
+                                         f"{', '.join(IMAGE_EXTENSIONS)}): {self.data_dir_hint}")
         if names["train"] != names["val"]:
             missing = sorted(set(names["train"]) ^ set(names["val"]))
             raise RecipeConfigError("data.data_dir", f"train/ and val/ have different classes: {missing[:5]}")

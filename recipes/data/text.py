@@ -65,9 +65,13 @@ class Vocab:
 
 
 def read_lines(path: Path) -> list[list[str]]:
-    """The white-space tokens of every line of a UTF-8 text file."""
-    with open(path, encoding="utf-8") as f:
-        return [line.split() for line in f]
+    """The white-space tokens of every line of a UTF-8 text file (an error naming ``data.data_dir`` if it is not)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.split() for line in f]
+    except UnicodeDecodeError as err:
+        raise RecipeConfigError("data.data_dir", f"{str(path)!r} is not UTF-8 text (byte {err.start}: {err.reason}): "
+                                                 "expected one tokenised sentence per line") from None
 
 
 def read_parallel(src: Path, tgt: Path) -> list[tuple[list[str], list[str]]]:

@@ -105,6 +105,24 @@ def read_label_csv(path: Path) -> list[tuple[str, int]]:
     return rows
 
 
+def load_features(path: Path) -> np.ndarray:
+    """A ``.npy`` feature array (memory-mapped); an error naming ``data.data_dir`` if the file is not one."""
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic != b"\x93NUMPY":
+        raise RecipeConfigError("data.data_dir", f"{str(path)!r} is not a NumPy .npy feature file (it starts with "
+                                                 f"{magic!r}, not the .npy magic b'\\x93NUMPY'; save it with numpy.save)")
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:
+        raise RecipeConfigError("data.data_dir", f"{str(path)!r} is not a NumPy .npy feature file "
+                                                 f"({str(err).splitlines()[0][:120]})") from None
+    if not isinstance(array, np.ndarray) or not np.issubdtype(array.dtype, np.floating):
+        raise RecipeConfigError("data.data_dir", f"{str(path)!r}: expected a float32/float16 [frames, feature_dim] "
+                                                 f"array, got {getattr(array, 'dtype', type(array).__name__)}")
+    return array
+
+
 class FeatureFiles(Dataset):
     """Per-video ``.npy`` feature files listed in a ``video,label`` CSV (module docstring)."""
 
@@ -117,7 +135,7 @@ class FeatureFiles(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         name, label = self.rows[index]
         path = self.root / name
-        array = np.load(path, mmap_mode="r")
+        array = load_features(path)
         if array.ndim != 2 or array.shape[0] < 1 or array.shape[1] != self.feature_dim:
             raise ValueError(f"{path}: expected a [frames >= 1, {self.feature_dim}] feature array, got {array.shape}")
         if array.shape[0] > self.max_frames:
@@ -175,11 +193,11 @@ class VideoFeaturesDataModule(RecipeDataModule):
                                                                 f"the {split} label file"))
             first = self.data_dir / self._rows["train"][0][0]
             require_file(first, "data.data_dir", "a feature file named in train.csv")
-            shape = np.load(first, mmap_mode="r").shape
-            if len(shape) != 2:
-                raise RecipeConfigError("data.data_dir", f"{str(first)!r}: expected a [frames, feature_dim] array, "
-                                                         f"got shape {shape}")
-            self._feature_dim = int(shape[1])
+            array = load_features(first)
+            if array.ndim != 2 or array.shape[0] < 1 or array.shape[1] < 1:
+                raise RecipeConfigError("data.data_dir", f"{str(first)!r}: expected a [frames >= 1, feature_dim] "
+                                                         f"array, got shape {array.shape}")
+            self._feature_dim = int(array.shape[1])
 
     @property
     def num_classes(self) -> int:
