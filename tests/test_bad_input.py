@@ -19,6 +19,7 @@ remapped, ``tests/test_checkpoint_files.py``).
 from __future__ import annotations
 
 import hashlib
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -146,7 +147,26 @@ class _SaveAt(L.Callback):
 
 def tiny_fit(root: Path, strategy: Any, *, seen: list[int], callbacks: tuple = (), ckpt_path: Any = None,
              steps: int = 3, **trainer_kwargs: Any) -> L.Trainer:
-    """A 1-process fit in this process (the strategies' set-up runs for real: gloo, one rank)."""
+    """A 1-process fit in this process (the strategies' set-up runs for real: gloo, one rank).
+
+    Leaves nothing behind for later tests: Lightning writes the rendezvous variables
+    (MASTER_PORT, WORLD_SIZE, ...) into ``os.environ`` and keeps the default group and
+    its store open; module fixtures run before the per-test restoration in conftest.py,
+    so a fixture's fit would leak them into every later subprocess launch.
+    """
+    saved = dict(os.environ)
+    try:
+        return _tiny_fit(root, strategy, seen=seen, callbacks=callbacks, ckpt_path=ckpt_path, steps=steps,
+                         **trainer_kwargs)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _tiny_fit(root: Path, strategy: Any, *, seen: list[int], callbacks: tuple, ckpt_path: Any, steps: int,
+              **trainer_kwargs: Any) -> L.Trainer:
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
                         callbacks=[_Batches(seen), *callbacks], enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=root,

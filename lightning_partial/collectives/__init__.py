@@ -12,6 +12,7 @@ from lightning_partial.collectives.errors import (
     PartialCollectiveTimeout,
 )
 from lightning_partial.collectives.group_average import GroupAverage, apply_average
+from lightning_partial.collectives.liveness import Heartbeat
 from lightning_partial.collectives.schedules import ButterflySchedule, Schedule, ShuffleSchedule, SwitchingSchedule
 from lightning_partial.collectives.stats import RoundStats
 from lightning_partial.collectives.store import create_store
@@ -21,6 +22,7 @@ __all__ = [
     "DelayedAllreduce",
     "DelayedConfig",
     "GroupAverage",
+    "Heartbeat",
     "Schedule",
     "ShuffleSchedule",
     "SwitchingSchedule",

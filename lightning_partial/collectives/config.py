@@ -50,10 +50,21 @@ class PartialAllreduceConfig:
             ``RoundStats.discounted``. Default: weight 1 (the paper's rule).
             ``normalize="contributors"`` still counts a discounted gradient as one.
         seed: seed of the initiator RNG (``"majority"``); must match on all ranks.
-        timeout: bound on every blocking wait (activation, collective, result).
+        timeout: bound on every wait that includes other ranks' compute: for a
+            round's activation, for the caller's result, and for the collectives
+            of rounds that every rank enters on its own arrival (``mode="sync"``,
+            ``sync_every`` rounds, the flush), which wait for the slowest rank.
             A wait that exceeds it raises :class:`PartialCollectiveTimeout` naming
             the rank and the round. Keep it above the longest pause in arrivals
-            (a validation loop, a checkpoint) of the job.
+            (a validation loop, a checkpoint) of the job: a slow rank must never
+            be mistaken for a dead one. (A rank that has stopped answering is
+            found by a heartbeat within ``collective_timeout``:
+            :mod:`~lightning_partial.collectives.liveness`.)
+        collective_timeout: bound on the collectives of rounds activated through
+            the store, which every rank's communication thread enters as soon as
+            the round is activated, however slow its compute; and on each store
+            call that is not a wait. Never more than ``timeout``. Keep it above
+            the time one round's collectives take on a loaded host.
         setup_timeout: bound on :meth:`PartialAllreduce.start`'s rendezvous (the
             engine's process groups): every rank must call ``start()`` within it
             of the others, or ``start()`` raises :class:`PartialCollectiveTimeout`
@@ -73,6 +84,7 @@ class PartialAllreduceConfig:
     staleness: StalenessWeights = StalenessWeights()
     seed: int = 0
     timeout: timedelta = timedelta(minutes=30)
+    collective_timeout: timedelta = timedelta(seconds=60)
     setup_timeout: Optional[timedelta] = None
     name: str = "partial"
 
@@ -104,6 +116,10 @@ class PartialAllreduceConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be a positive datetime.timedelta, got {self.timeout!r}")
+        if not isinstance(self.collective_timeout, timedelta) or self.collective_timeout.total_seconds() <= 0:
+            raise ValueError(
+                f"collective_timeout must be a positive datetime.timedelta, got {self.collective_timeout!r}"
+            )
         if self.setup_timeout is not None and (
             not isinstance(self.setup_timeout, timedelta) or self.setup_timeout.total_seconds() <= 0
         ):
@@ -115,6 +131,11 @@ class PartialAllreduceConfig:
     def rendezvous_timeout(self) -> timedelta:
         """The bound on ``start()``'s rendezvous: ``setup_timeout``, else ``timeout``."""
         return self.timeout if self.setup_timeout is None else self.setup_timeout
+
+    @property
+    def collective_bound(self) -> timedelta:
+        """The bound on a prompt round's collectives: ``collective_timeout``, at most ``timeout``."""
+        return min(self.collective_timeout, self.timeout)
 
     def validate_world(self, world_size: int) -> None:
         """Checks what depends on the number of ranks ``P``; raises ``ValueError``."""

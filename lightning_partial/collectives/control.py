@@ -23,12 +23,18 @@ Two store clients are used, because a ``TCPStore`` client is one connection and
 a thread blocked in ``wait`` stalls every other call on it: the caller's
 thread owns ``main`` (add, multi_set) and the communication thread owns
 ``comm`` (wait, delete).
+
+Bounds: a ``wait`` for an activation is bounded by the engine's ``timeout`` (it
+includes other ranks' compute); every other call is answered at once by a live
+store, so it is bounded by ``op_timeout`` (the engine's ``collective_timeout``):
+a frozen store host (rank 0) fails the caller in about a minute, not half an hour.
 """
 
 from __future__ import annotations
 
 import threading
 from datetime import timedelta
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -39,15 +45,26 @@ from lightning_partial.collectives.store import clone_store
 class ControlPlane:
     """Arrival counters and activation keys of one engine, on one rank."""
 
-    def __init__(self, store: dist.Store, *, name: str, rank: int, world_size: int, timeout: timedelta) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        name: str,
+        rank: int,
+        world_size: int,
+        timeout: timedelta,
+        op_timeout: Optional[timedelta] = None,
+    ) -> None:
         prefix = f"lightning_partial/{name}/ctl"  # PrefixStore adds the "/"
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
+        self.op_timeout = timeout if op_timeout is None else min(op_timeout, timeout)
         self.main = dist.PrefixStore(prefix, clone_store(store))
         self.comm = dist.PrefixStore(prefix, clone_store(store))
-        self.comm.set_timeout(timeout)
-        self.main.set_timeout(timeout)
+        # The clients' default bound serves the calls that are not waits; a wait passes its own.
+        self.comm.set_timeout(self.op_timeout)
+        self.main.set_timeout(self.op_timeout)
         # Keys the communication thread deletes after its next round.
         self._garbage: list[str] = []
         self._garbage_lock = threading.Lock()
@@ -101,7 +118,10 @@ class ControlPlane:
     def wait_activated(self, round_index: int, timeout: timedelta) -> None:
         """Blocks until ``round_index`` is activated (or ``wake`` is called)."""
         self._call(
-            lambda: self.comm.wait([f"go/{round_index}/{self.rank}"], timeout), round_index, "wait for activation"
+            lambda: self.comm.wait([f"go/{round_index}/{self.rank}"], timeout),
+            round_index,
+            "wait for activation",
+            bound=timeout,
         )
 
     def wake(self, round_index: int) -> None:
@@ -138,14 +158,16 @@ class ControlPlane:
         for key in keys:
             self._call(lambda key=key: client.delete_key(key), round_index, "delete old keys")
 
-    def _call(self, fn, round_index: int, what: str):  # type: ignore[no-untyped-def]
+    def _call(self, fn, round_index: int, what: str, bound: Optional[timedelta] = None):  # type: ignore[no-untyped-def]
         try:
             return fn()
         except dist.DistStoreError as err:
             if "timeout" in str(err).lower():
+                seconds = (bound or self.op_timeout).total_seconds()
                 raise PartialCollectiveTimeout(
-                    f"could not {what}: no answer within {self.timeout.total_seconds():g}s ({err}); "
-                    "is a rank dead or far behind?",
+                    f"could not {what}: no answer within {seconds:g}s ({err}); "
+                    + ("is a rank dead or far behind?" if bound is not None else
+                       "is the store's host (rank 0) frozen or unreachable?"),
                     rank=self.rank,
                     round_index=round_index,
                 ) from err

@@ -95,7 +95,9 @@ class DelayedConfig:
         epoch_samples: global samples of one epoch (the dataset's size); ``None``: no epochs.
         max_epochs: the round that completes this many epochs is final (needs ``epoch_samples``).
         max_rounds: the round with index ``max_rounds - 1`` is final.
-        timeout: bound on every blocking wait.
+        timeout: bound on every blocking wait that includes other ranks' compute.
+        collective_timeout: bound on an activated round's collectives (see
+            :class:`PartialAllreduceConfig`).
         setup_timeout: bound on ``start()``'s rendezvous; ``None``: ``timeout``
             (see :class:`PartialAllreduceConfig`).
         name: prefix of the engine's store keys and process groups.
@@ -109,6 +111,7 @@ class DelayedConfig:
     max_epochs: Optional[int] = None
     max_rounds: Optional[int] = None
     timeout: timedelta = timedelta(minutes=30)
+    collective_timeout: timedelta = timedelta(seconds=60)
     setup_timeout: Optional[timedelta] = None
     name: str = "abs_sgd"
 
@@ -129,14 +132,14 @@ class DelayedConfig:
         _positive_int("max_rounds", self.max_rounds)
         if self.max_epochs is not None and self.epoch_samples is None:
             raise ValueError("max_epochs needs epoch_samples (the global samples of one epoch)")
-        # The engine's own checks (timeout, setup_timeout, name).
+        # The engine's own checks (timeout, collective_timeout, setup_timeout, name).
         self.partial_config()
 
     def partial_config(self) -> PartialAllreduceConfig:
         """The underlying rounds: solo activation, carried contributions, divided by the samples."""
         return PartialAllreduceConfig(
             mode="solo", late="carry", normalize="contributors", timeout=self.timeout,
-            setup_timeout=self.setup_timeout, name=self.name,
+            collective_timeout=self.collective_timeout, setup_timeout=self.setup_timeout, name=self.name,
         )
 
 

@@ -271,13 +271,20 @@ class PartialAllreduce:
         self._control: Optional[ControlPlane] = None
         self._header_pg: Any = None
         self._data_pg: Any = None
-        self._group_timeout = config.timeout  # what bounds a collective of the gloo groups (see _gloo_group)
+        # The bound of the running round's collectives (communication thread): collective_bound for
+        # rounds activated through the store, which every rank enters promptly; timeout for rounds
+        # that every rank enters on its own arrival (they wait for the slowest rank's compute).
+        self._round_bound = config.collective_bound
+        # Until when a gloo collective issued may still occupy its group's worker (see _retire_groups).
+        self._inflight_until = 0.0
+        self._group_timeout = config.collective_bound  # what bounds a collective of the gloo groups by default
         # Set by the communication thread from taking a round's snapshot until its result
         # is published: collectives of that round may be in flight (see close()).
         self._in_round = False
         self._stream: Optional[torch.cuda.Stream] = None
         self._done_events: dict[int, torch.cuda.Event] = {}  # CUDA: result ready, per round
         self._watch: Optional[CompletionWatch] = None  # NCCL: bounds the rounds' completion on the GPU
+        self._liveness: Any = None  # see attach_liveness()
 
     # ------------------------------------------------------------------ API
     @property
@@ -285,13 +292,18 @@ class PartialAllreduce:
         """The step (= round) of the next :meth:`arrive`."""
         return self._step
 
+    @property
+    def round_reached(self) -> int:
+        """The latest round this rank has arrived at or taken (what a heartbeat reports)."""
+        return max(self._step, self._snapshotted + 1)
+
     def start(self) -> "PartialAllreduce":
         """Creates the process groups and the communication thread. Collective: every rank calls it.
 
         The groups' rendezvous is bounded by ``config.setup_timeout`` (default: ``timeout``);
         a rank that does not call ``start()`` within it of the others makes ``start()``
         raise :class:`PartialCollectiveTimeout` on the ranks that did. The gloo groups'
-        collectives are then bounded by ``config.timeout``. A NCCL data group is made
+        collectives are then bounded per round (``collective_bound`` or ``timeout``). A NCCL data group is made
         after the gloo rendezvous, with ``dist.new_group`` (torch.distributed must be
         initialised, with this engine's rank and world size), and its communicator is
         created and tried here, bounded by ``setup_timeout``
@@ -302,7 +314,8 @@ class PartialAllreduce:
         timeout = self.config.timeout
         name = self.config.name
         self._control = ControlPlane(
-            self._store, name=name, rank=self.rank, world_size=self.world_size, timeout=timeout
+            self._store, name=name, rank=self.rank, world_size=self.world_size, timeout=timeout,
+            op_timeout=self.config.collective_bound,
         )
         prefix = f"lightning_partial/{name}/pg/"
         try:
@@ -340,10 +353,12 @@ class PartialAllreduce:
         return self
 
     def _gloo_group(self, prefix: str) -> Any:
-        """A gloo group of all ranks whose rendezvous waits ``setup_timeout``, its collectives ``timeout``.
+        """A gloo group of all ranks whose rendezvous waits ``setup_timeout``, its collectives ``collective_bound``.
 
         One bound for both would make a short round timeout (to detect a stalled
-        peer quickly) also the bound on how far apart the ranks may start.
+        peer quickly) also the bound on how far apart the ranks may start. A round
+        whose collectives wait for other ranks' compute passes ``timeout`` per
+        collective (:meth:`_start`).
         """
         setup = self.config.rendezvous_timeout
         try:
@@ -362,7 +377,7 @@ class PartialAllreduce:
         # torch >= 2.9; ProcessGroupGloo._set_default_timeout is older.
         set_timeout = getattr(pg, "set_timeout", None) or getattr(pg, "_set_default_timeout", None)
         if set_timeout is not None:
-            set_timeout(self.config.timeout)
+            set_timeout(self.config.collective_bound)
         else:  # pragma: no cover - old torch: its collectives keep the rendezvous bound
             self._group_timeout = max(self._group_timeout, setup)
         return pg
@@ -437,8 +452,12 @@ class PartialAllreduce:
             waiting = self._waiting_round
             self._cond.notify_all()
         thread = self._thread
+        # Failed (a peer is gone): the thread may be blocked on that peer, or on a store whose
+        # host is frozen; neither a wake nor a long join would help. It is a daemon: leave it.
+        failed = self._error is not None
         if (
-            thread is not None
+            not failed
+            and thread is not None
             and thread.is_alive()
             and waiting is not None
             and not self._known_sync(waiting)  # that wait is on self._cond, notified above
@@ -449,7 +468,7 @@ class PartialAllreduce:
             except Exception as err:  # the store may be gone with a dead rank
                 log.debug("rank %d: could not wake the communication thread: %s", self.rank, err)
         if thread is not None:
-            thread.join(timeout=timeout)
+            thread.join(timeout=min(timeout, 1.0) if failed else timeout)
             if thread.is_alive():
                 # Stuck inside a collective with a peer that never comes: abort the
                 # groups so that it returns, and leave the daemon thread behind.
@@ -481,8 +500,9 @@ class PartialAllreduce:
         ``start()`` and rounds stalled for the 20 s timeout of a closed engine's
         collective. ``abort()`` and ``shutdown()`` do not cancel gloo collectives
         (torch 2.15), so the groups are held until every collective they run has
-        failed (each is bounded by ``config.timeout`` since it began, before close).
-        An NCCL data group is aborted instead: NCCL can cancel its work.
+        failed: each is bounded by its round's bound since it began, so the hold
+        is what is left of the latest one (``collective_bound`` after a failure in
+        a prompt round). An NCCL data group is aborted instead: NCCL can cancel its work.
         """
         groups = [pg for pg in (self._header_pg, self._data_pg) if pg is not None]
         if self.backend == "nccl" and self._data_pg is not None:  # pragma: no cover - needs GPUs
@@ -492,10 +512,35 @@ class PartialAllreduce:
         if groups:
             threading.Thread(
                 target=_release_later,
-                args=(groups, self._group_timeout.total_seconds() + 1.0),
+                args=(groups, self._retire_hold()),
                 name=f"lightning_partial-{self.config.name}-rank{self.rank}-retired-groups",
                 daemon=True,
             ).start()
+
+    def _retire_hold(self) -> float:
+        """Seconds until every gloo collective issued has failed by its own bound, plus a margin."""
+        left = self._inflight_until - time.monotonic()
+        return max(0.0, min(left, self._group_timeout.total_seconds() + self.config.timeout.total_seconds())) + 1.0
+
+    def fail(self, error: PartialCollectiveError) -> None:
+        """Fails the engine from another thread (a liveness monitor's verdict on a peer).
+
+        The caller's current or next wait raises ``error``; the communication
+        thread is left to its own bounds (``close()`` does not wait for it).
+        The first failure is kept.
+        """
+        with self._cond:
+            if self._error is None and not self._closing:
+                self._error = error
+            self._cond.notify_all()
+
+    def attach_liveness(self, liveness: Any) -> None:
+        """A :class:`~lightning_partial.collectives.liveness.Heartbeat` consulted when a collective times out.
+
+        Before :meth:`start`. A collective that timed out then raises the heartbeat's
+        verdict naming the rank that stopped answering, if one comes within two beats.
+        """
+        self._liveness = liveness
 
     def __enter__(self) -> "PartialAllreduce":
         return self
@@ -711,6 +756,10 @@ class PartialAllreduce:
                     self._in_round = True
                     deposits, self._pending = self._pending, []
                     self._snapshotted = r
+                    # Activated through the store: every rank's thread enters this round's collectives
+                    # now, however slow its compute. Otherwise (sync rounds, the flush) they wait for it.
+                    prompt = not synchronous and self._flush_round != r
+                    self._round_bound = self.config.collective_bound if prompt else self.config.timeout
                     self._cond.notify_all()  # DelayedAllreduce.deposit waits for the snapshot
                     row = torch.zeros(self.world_size, _HEADER_WIDTH, dtype=torch.int64)
                     count, newest, oldest = self._describe_contribution(deposits)
@@ -736,6 +785,7 @@ class PartialAllreduce:
                 self._after_round(r, result)
                 r += 1
         except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            err = self._explain(err)
             with self._cond:
                 if self._closing:
                     return
@@ -749,6 +799,18 @@ class PartialAllreduce:
                 self._error = err
                 self._cond.notify_all()
             log.error("%s", err)
+
+    def _explain(self, err: BaseException) -> BaseException:
+        """A collective that timed out: the heartbeat's verdict naming the rank gone, if one comes soon."""
+        liveness = self._liveness
+        if liveness is None or not isinstance(err, PartialCollectiveTimeout):
+            return err
+        verdict = liveness.wait_verdict(2 * liveness.interval)
+        if verdict is None:
+            return err
+        named = PartialCollectiveError(f"{verdict} (then: {err})", rank=self.rank, round_index=err.round_index)
+        named.__cause__ = err
+        return named
 
     def _wait_own_arrival(self, r: int) -> None:
         self._wait_on_cond(
@@ -875,7 +937,7 @@ class PartialAllreduce:
             with self._cond:
                 self._done_events[r] = event
             if self._watch is not None:
-                self._watch.add(r, event)
+                self._watch.add(r, event, seconds=self._round_bound.total_seconds())
         stats = RoundStats(
             round_index=r,
             activator=activators[0] if activators else -1,
@@ -969,15 +1031,19 @@ class PartialAllreduce:
             if self.backend == "nccl" and pg is self._data_pg:  # pragma: no cover - needs GPUs
                 with torch.cuda.stream(self._stream):
                     return _Issued(dist.all_reduce(tensor, group=pg, async_op=True), stream_ordered=True)
+            bound = self._round_bound
+            self._inflight_until = max(self._inflight_until, time.monotonic() + bound.total_seconds())
+            options = dist.AllreduceOptions()
+            options.timeout = bound  # the group's own default is collective_bound
             if self._stream is not None and tensor.is_cuda:  # pragma: no cover - needs GPUs
                 with torch.cuda.stream(self._stream):
-                    return _Issued(pg.allreduce([tensor]))
-            return _Issued(pg.allreduce([tensor]))
+                    return _Issued(pg.allreduce([tensor], options))
+            return _Issued(pg.allreduce([tensor], options))
         except Exception as err:
             raise self._collective_error(err, r, what) from err
 
     def _finish(self, issued: _Issued, r: int, what: str) -> None:
-        timeout = self.config.timeout
+        timeout = self._round_bound
         work = issued.work
         try:
             if issued.stream_ordered:  # pragma: no cover - needs GPUs

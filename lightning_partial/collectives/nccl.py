@@ -144,7 +144,7 @@ class CompletionWatch:
         self.timeout = timeout
         self.rank = rank
         self._on_expired = on_expired
-        self._queue: deque[tuple[int, torch.cuda.Event, float]] = deque()
+        self._queue: deque[tuple[int, torch.cuda.Event, float, float]] = deque()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._poll = min(0.5, max(0.01, timeout / 20))
@@ -154,14 +154,15 @@ class CompletionWatch:
         self._thread.start()
         return self
 
-    def add(self, round_index: int, event: torch.cuda.Event) -> None:
+    def add(self, round_index: int, event: torch.cuda.Event, seconds: Optional[float] = None) -> None:
+        """Watches ``event`` of ``round_index``: it must complete within ``seconds`` (default ``timeout``)."""
         with self._lock:
-            self._queue.append((round_index, event, time.monotonic()))
+            self._queue.append((round_index, event, time.monotonic(), self.timeout if seconds is None else seconds))
 
     def pending(self) -> list[int]:
         """Rounds enqueued whose completion has not been seen yet."""
         with self._lock:
-            return [r for r, _, _ in self._queue]
+            return [r for r, _, _, _ in self._queue]
 
     def wait_idle(self, seconds: float) -> bool:
         """Whether every enqueued round completed within ``seconds`` (polled; never blocks longer)."""
@@ -189,12 +190,12 @@ class CompletionWatch:
                 oldest = self._queue[0] if self._queue else None
             if oldest is None:
                 continue
-            r, _, since = oldest
+            r, _, since, bound = oldest
             waited = time.monotonic() - since
-            if waited > self.timeout:
+            if waited > bound:
                 self._on_expired(
                     PartialCollectiveTimeout(
-                        f"the NCCL collectives of round {r} did not complete on the GPU within {self.timeout:g}s "
+                        f"the NCCL collectives of round {r} did not complete on the GPU within {bound:g}s "
                         "of being enqueued; a peer rank probably died or stalled",
                         rank=self.rank,
                         round_index=r,

@@ -122,7 +122,7 @@ class ABSSGDStrategy(PartialStrategy):
             ``"inverse"``: the result is halved (weight ``1 / (1 + 1)``).
             ``"none"``: every result whole (the paper's rule).
         shuffle, seed: the elastic sampler's shuffling (as ``DistributedSampler``'s).
-        timeout, process_group_backend, start_method: as for every strategy here.
+        timeout, collective_timeout, process_group_backend, start_method: as for every strategy here.
     """
 
     strategy_name = "abs_sgd"
@@ -144,6 +144,7 @@ class ABSSGDStrategy(PartialStrategy):
         shuffle: bool = True,
         seed: int = 0,
         timeout: timedelta = timedelta(minutes=30),
+        collective_timeout: timedelta = timedelta(seconds=60),
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn"] = "popen",
     ) -> None:
@@ -154,6 +155,7 @@ class ABSSGDStrategy(PartialStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             timeout=timeout,
+            collective_timeout=collective_timeout,
             process_group_backend=process_group_backend,
             start_method=start_method,
         )
@@ -162,7 +164,7 @@ class ABSSGDStrategy(PartialStrategy):
         # Validated now (a placeholder target when it defaults to the micro-batch size).
         DelayedConfig(trigger=trigger, target_samples=target_samples if target_samples is not None or trigger != "samples"
                       else 1, interval=interval, reference_samples=reference_samples,
-                      timeout=timeout)  # type: ignore[arg-type]
+                      timeout=timeout, collective_timeout=collective_timeout)  # type: ignore[arg-type]
         self.trigger = trigger
         self.target_samples = target_samples
         self.interval = interval
@@ -170,6 +172,7 @@ class ABSSGDStrategy(PartialStrategy):
         self.shuffle = shuffle
         self.seed = seed
         self.partial_config = PartialAllreduceConfig(mode="solo", normalize="contributors", timeout=timeout,
+                                                     collective_timeout=collective_timeout,
                                                      name="abs_sgd")
         self.staleness_rule = compensation.check_rule(staleness_rule, owner=self.strategy_name)
         # Per optimizer index, resolved against the optimizers at set-up.
@@ -266,6 +269,7 @@ class ABSSGDStrategy(PartialStrategy):
             max_epochs=max_epochs,
             max_rounds=trainer.max_steps if trainer.max_steps > 0 else None,
             timeout=self._timeout,
+            collective_timeout=self._collective_timeout,
             name=f"abs_sgd-{index}",
         )
         return DelayedAllreduce(config, store=store, rank=self.global_rank, world_size=self.world_size,

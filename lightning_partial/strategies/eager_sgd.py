@@ -83,7 +83,7 @@ class EagerSGDStrategy(PartialStrategy):
             option of that name); costs one element per parameter in every round
             and, on CUDA, a host synchronisation in rounds this rank's fresh
             gradient missed. ``False`` (default): a missing gradient counts as zeros.
-        timeout: bound on every wait of the engine and on process-group set-up.
+        timeout, collective_timeout: see :class:`~lightning_partial.strategies.partial.PartialStrategy`.
         process_group_backend: default ``"nccl"`` on CUDA, ``"gloo"`` otherwise.
         start_method: ``"popen"`` (scripts, torchrun, SLURM) or ``"spawn"``.
 
@@ -111,6 +111,7 @@ class EagerSGDStrategy(PartialStrategy):
         find_unused_parameters: bool = False,
         seed: int = 0,
         timeout: timedelta = timedelta(minutes=30),
+        collective_timeout: timedelta = timedelta(seconds=60),
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn"] = "popen",
     ) -> None:
@@ -121,6 +122,7 @@ class EagerSGDStrategy(PartialStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             timeout=timeout,
+            collective_timeout=collective_timeout,
             process_group_backend=process_group_backend,
             start_method=start_method,
         )
@@ -133,6 +135,7 @@ class EagerSGDStrategy(PartialStrategy):
             max_staleness=max_staleness,
             seed=seed,
             timeout=timeout,
+            collective_timeout=collective_timeout,
             name="eager_sgd",
         )
         self.staleness_rule = compensation.check_rule(staleness_rule, owner=self.strategy_name)

@@ -89,7 +89,7 @@ class ModelAveragingStrategy(PartialStrategy):
         seed: seed of the majority initiator RNG and of the shuffle schedule.
         schedule: a :class:`~lightning_partial.collectives.schedules.Schedule`, or a
             callable ``world_size -> Schedule``; default: the subclass's.
-        timeout, process_group_backend, start_method: see :class:`PartialStrategy`.
+        timeout, collective_timeout, process_group_backend, start_method: see :class:`PartialStrategy`.
     """
 
     strategy_name = "model_averaging"
@@ -115,6 +115,7 @@ class ModelAveragingStrategy(PartialStrategy):
         seed: int = 0,
         schedule: Optional[ScheduleSource] = None,
         timeout: timedelta = timedelta(minutes=30),
+        collective_timeout: timedelta = timedelta(seconds=60),
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn"] = "popen",
     ) -> None:
@@ -125,6 +126,7 @@ class ModelAveragingStrategy(PartialStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             timeout=timeout,
+            collective_timeout=collective_timeout,
             process_group_backend=process_group_backend,
             start_method=start_method,
         )
@@ -155,6 +157,7 @@ class ModelAveragingStrategy(PartialStrategy):
             max_staleness=max_staleness,
             seed=seed,
             timeout=timeout,
+            collective_timeout=collective_timeout,
             name=self.strategy_name,
         )
         self.normalize = normalize

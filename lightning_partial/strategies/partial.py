@@ -59,6 +59,7 @@ kernels are launched in the same order on every rank.
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -78,10 +79,41 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_partial import _compat
-from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundStats, create_store
+from lightning_partial.collectives import (
+    PartialAllreduce,
+    PartialAllreduceConfig,
+    PartialCollectiveError,
+    RoundStats,
+    create_store,
+)
+from lightning_partial.collectives.liveness import Heartbeat
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, gather_engine_states, resume_entry, state_for_rank
 
 log = logging.getLogger(__name__)
+
+# Seconds between a heartbeat's verdict (a peer is gone) and the end of a process that
+# has not torn down by then: collective_timeout + this is the longest a survivor lives on.
+_EXIT_GRACE = 20.0
+
+
+def _warn_if_restarts_share_the_rendezvous_store() -> None:
+    """Warns when torchrun may restart the workers on a rendezvous store it shares with them.
+
+    torchrun (c10d rendezvous) lets its workers initialise their default group on its
+    own store (``TORCHELASTIC_USE_AGENT_STORE=True``) and keeps that store across
+    restarts, so a restarted group can read the addresses of the group that died and
+    fail in ``init_process_group`` (gloo: ``connectFullMesh ... Connection refused``;
+    NCCL likewise, pytorch/pytorch#135712). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    in torchrun's environment gives each attempt a store of its own.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(
+        os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0
+    ) > 0:
+        log.warning(
+            "torchrun --max-restarts with its rendezvous store shared with the workers: a restarted group may "
+            "fail to connect (stale addresses from the attempt that died, pytorch/pytorch#135712). Launch with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment"
+        )
 
 
 class PartialStrategy(ParallelStrategy):
@@ -91,7 +123,15 @@ class PartialStrategy(ParallelStrategy):
     :meth:`_build_engine`, the per-step hand-off to the engine and :meth:`_final_round`.
 
     Args:
-        timeout: bound on every wait of the engines and on process-group set-up.
+        timeout: bound on every wait that includes other ranks' compute (a round's
+            activation, a synchronous round, barriers, the checkpoint's gather) and on
+            process-group set-up. Keep it above the longest pause of any rank (a
+            validation loop, a checkpoint): a slow rank is never failed before it.
+        collective_timeout: bound on a round's collectives once it is activated (every
+            rank's communication thread then enters them at once, however slow its
+            compute) and the silence after which a rank's heartbeat declares the rank
+            it watches dead: a frozen or cut-off rank ends the job in about this long,
+            with an error naming it. Never more than ``timeout``.
         process_group_backend: default ``"nccl"`` on CUDA, ``"gloo"`` otherwise.
         start_method: ``"popen"`` (scripts, torchrun, SLURM) or ``"spawn"``.
 
@@ -113,6 +153,7 @@ class PartialStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         *,
         timeout: timedelta = timedelta(minutes=30),
+        collective_timeout: timedelta = timedelta(seconds=60),
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn"] = "popen",
     ) -> None:
@@ -127,14 +168,18 @@ class PartialStrategy(ParallelStrategy):
             raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
         if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+        if not isinstance(collective_timeout, timedelta) or collective_timeout.total_seconds() <= 0:
+            raise ValueError(f"collective_timeout must be a positive datetime.timedelta, got {collective_timeout!r}")
         self._num_nodes = 1
         self._timeout = timeout
+        self._collective_timeout = min(collective_timeout, timeout)
         self._process_group_backend = process_group_backend
         self._start_method = start_method
         # Created in setup(), never in __init__: the strategy must stay picklable.
         self._engines: dict[int, PartialAllreduce] = {}
         self._params: dict[int, list[torch.nn.Parameter]] = {}
         self._store: Optional[dist.Store] = None
+        self._heartbeat: Optional[Heartbeat] = None
         self._stopped = False  # a round carried a stop request: every rank stops at it
         self._previous_sigterm_handler: Any = None
         self._resume_state: Optional[dict[str, Any]] = None  # from load_checkpoint, consumed at start
@@ -201,6 +246,7 @@ class PartialStrategy(ParallelStrategy):
             self._process_group_backend or _compat._get_default_process_group_backend_for_device(self.root_device)
         )
         assert self.cluster_environment is not None
+        _warn_if_restarts_share_the_rendezvous_store()
         _compat._init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
         self._make_collective_group()
 
@@ -323,10 +369,39 @@ class PartialStrategy(ParallelStrategy):
                 engine.load_state_dict(self._engine_state(resume["engines"][index]))
             self._engines[index] = engine.start()
             self._params[index] = params
+        self._start_heartbeat()
         if self.partial_config.mode != "sync":
             # A globally synchronous step costs the broadcast nothing extra: keep
             # Lightning's own SIGTERM handling in pure sync mode.
             _compat.replace_sigterm_broadcast(trainer, lambda: self._stopped)
+
+    def _start_heartbeat(self) -> None:
+        """This rank's liveness monitor: a peer silent for ``collective_timeout`` fails every engine.
+
+        If the process has not torn down within ``_EXIT_GRACE`` seconds of the verdict
+        (its main thread blocked in a collective with the dead rank, which gloo cannot
+        cancel), the heartbeat ends it with exit code 1, so that no rank hangs.
+        """
+        if not self._engines or self.world_size < 2 or self._store is None:
+            return
+        engines = list(self._engines.values())
+
+        def on_dead(error: PartialCollectiveError) -> None:
+            for engine in engines:
+                engine.fail(error)
+
+        self._heartbeat = Heartbeat(
+            self._store,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            timeout=self._collective_timeout,
+            on_dead=on_dead,
+            progress=lambda: max(e.round_reached for e in engines),
+            exit_grace=_EXIT_GRACE,
+            name=f"{self.strategy_name}-heartbeat",
+        ).start()
+        for engine in engines:
+            engine.attach_liveness(self._heartbeat)
 
     def _engine_state(self, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         """This rank's engine state from a checkpoint's per-rank states."""
@@ -424,6 +499,9 @@ class PartialStrategy(ParallelStrategy):
                     b.copy_(host)
 
     def _close_engines(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         if self._previous_sigterm_handler is not None:
             _compat.restore_sigterm_handler(self._previous_sigterm_handler)
             self._previous_sigterm_handler = None

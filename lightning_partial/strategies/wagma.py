@@ -85,6 +85,7 @@ class WAGMAStrategy(ModelAveragingStrategy):
         seed: int = 0,
         schedule: Optional[ScheduleSource] = None,
         timeout: timedelta = timedelta(minutes=30),
+        collective_timeout: timedelta = timedelta(seconds=60),
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn"] = "popen",
     ) -> None:
@@ -98,7 +99,8 @@ class WAGMAStrategy(ModelAveragingStrategy):
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             mode=mode, quorum=quorum, normalize=normalize, late=late, stale=stale, global_every=global_every,
             order=order, max_staleness=max_staleness, measure_every=measure_every, seed=seed, schedule=schedule,
-            timeout=timeout, process_group_backend=process_group_backend, start_method=start_method,
+            timeout=timeout, collective_timeout=collective_timeout,
+            process_group_backend=process_group_backend, start_method=start_method,
         )
 
     @override

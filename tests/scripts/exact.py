@@ -14,7 +14,13 @@ Options select the Lightning feature under test: ``--accumulate``, ``--manual``
 (two optimizers, manual optimization), ``--precision``, ``--evaluate``
 (validate/test/predict and ``sync_dist`` logging after fit), ``--spy`` (count
 collectives on the default group while the batches run), ``--save-at`` /
-``--resume`` (a mid-run checkpoint and a resumed fit).
+``--resume`` (a mid-run checkpoint and a resumed fit), ``--checkpoint-every N``
+(a ``ModelCheckpoint`` every N steps into ``<out>/ckpt``, with ``last.ckpt``;
+a fit that finds ``last.ckpt`` resumes from it, as a restarted job does) and
+``--die-at K`` (rank ``--die-rank`` kills itself at step K in the first attempt
+under torchrun, ``TORCHELASTIC_RESTART_COUNT=0``). What each rank computed is
+also appended per step to ``<out>/seen.rank<R>.attempt<A>.jsonl``, so that a
+process that dies leaves its record behind.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import argparse
 import functools
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -75,6 +82,10 @@ def main() -> None:
     parser.add_argument("--spy", action="store_true")
     parser.add_argument("--save-at", type=int, default=None, help="save <out>/mid.ckpt after this many steps")
     parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=None)
+    parser.add_argument("--die-at", type=int, default=None)
+    parser.add_argument("--die-rank", type=int, default=2)
+    parser.add_argument("--strategy-kw", default="{}", help="JSON keyword arguments of a configured strategy")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.spy:
@@ -105,6 +116,8 @@ def main() -> None:
             self._slow()
             self.train_indices += index.tolist()
             self.seen.append({"step": self.global_step, "x": x.sum(0).tolist()})
+            with open(args.out / f"seen.rank{self.global_rank}.attempt{attempt}.jsonl", "a") as f:
+                f.write(json.dumps(self.seen[-1]) + "\n")
             self.log("train_rank_mean", float(self.global_rank), on_step=False, on_epoch=True, sync_dist=True)
             if not args.manual:
                 return (self.w * x).sum() + (self.v * x).sum() * 2  # grad of v: 2 * sum(x)
@@ -139,6 +152,9 @@ def main() -> None:
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             SPY["active"] = True
+            if (args.die_at is not None and attempt == 0 and trainer.global_step == args.die_at
+                    and trainer.global_rank == args.die_rank):
+                os.kill(os.getpid(), signal.SIGKILL)  # a rank lost mid-fit, after a checkpoint
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.at_batch_end.append(len(SPY["calls"]))
@@ -149,6 +165,23 @@ def main() -> None:
             SPY["active"] = False
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    probe = Probe()
+    callbacks: list = [probe]
+    ckpt_path = args.resume
+    if args.checkpoint_every is not None:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.checkpoint_every,
+                                         save_top_k=-1, save_last=True))
+        if (args.out / "ckpt" / "last.ckpt").exists():
+            ckpt_path = args.out / "ckpt" / "last.ckpt"  # a restarted job resumes where it left off
+    strategy = args.strategy
+    kw = json.loads(args.strategy_kw)
+    if kw:
+        classes = {"eager_sgd": lightning_partial.EagerSGDStrategy, "wagma_sgd": lightning_partial.WAGMAStrategy,
+                   "ds_sync": lightning_partial.DSSyncStrategy, "abs_sgd": lightning_partial.ABSSGDStrategy}
+        strategy = classes[args.strategy](**kw)
     g = torch.Generator().manual_seed(0)
     n = 512
     x = torch.randint(-4, 5, (n, D), generator=g).to(torch.float64)
@@ -156,24 +189,23 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(dataset, batch_size=B, shuffle=False)
     model = Linear()
     w0 = {k: v.detach().clone().tolist() for k, v in model.named_parameters()}
-    probe = Probe()
     trainer = L.Trainer(
-        strategy=args.strategy,
+        strategy=strategy,
         accelerator="cpu",
         devices=P,
         max_steps=args.steps,
         accumulate_grad_batches=args.accumulate,
         precision=args.precision,
-        callbacks=[probe],
+        callbacks=callbacks,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=args.checkpoint_every is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=4,
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    trainer.fit(model, loader, ckpt_path=args.resume)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
     record = {
         "rank": trainer.global_rank,
         "lr": lr,

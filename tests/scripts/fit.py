@@ -7,7 +7,9 @@ Each rank writes its final parameters to ``<out>/rank<R>.pt``, its pid to
 ``StalenessTracker`` summary (``--track``) and, with ``--spy``, the collectives
 issued on the default group while the batches ran. ``--save-at N`` writes
 ``<out>/mid.ckpt`` after N steps, ``--resume PATH`` resumes from one;
-``--batchnorm`` adds a BatchNorm layer (buffers each replica updates).
+``--batchnorm`` adds a BatchNorm layer (buffers each replica updates);
+``--sleep-at BATCH:RANK:SECONDS`` makes one rank sleep inside one training step
+(alive, its threads running). ``--strategy-kw`` takes timeouts in seconds.
 
 Imbalance (``lightning_partial.callbacks.LoadImbalance``): ``--imbalance-ms``
 (alias ``--straggle-ms``) makes ``--stragglers`` ranks per batch, drawn with a
@@ -29,6 +31,8 @@ if "--spy" in sys.argv:
 import argparse
 import json
 import os
+import time
+from datetime import timedelta
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -56,8 +60,11 @@ class Regressor(L.LightningModule):
         self.momentum = 0.0
         self.weight_decay = 0.0
         self.sync_dist = False
+        self.sleep_at: tuple[int, int, float] | None = None  # (batch, rank, seconds)
 
     def training_step(self, batch, batch_idx):
+        if self.sleep_at is not None and (batch_idx, self.global_rank) == self.sleep_at[:2]:
+            time.sleep(self.sleep_at[2])  # a slow step: alive, never to be declared dead
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         if self.rank0_only is not None and self.global_rank == 0 and batch_idx % 2:
@@ -187,6 +194,7 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, default=None, help="save <out>/mid.ckpt after this many steps")
     parser.add_argument("--save-epoch", type=int, default=None, help="save <out>/mid.ckpt at this epoch's end")
     parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to resume the fit from")
+    parser.add_argument("--sleep-at", default=None, help="BATCH:RANK:SECONDS: that rank sleeps in that step")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -201,11 +209,15 @@ def main() -> None:
     model.momentum = args.momentum
     model.weight_decay = args.weight_decay
     model.sync_dist = args.sync_dist
+    if args.sleep_at is not None:
+        batch, rank, seconds = args.sleep_at.split(":")
+        model.sleep_at = (int(batch), int(rank), float(seconds))
     model.pid_dir = args.out / "pids"
     strategy: Any = args.strategy
     if strategy.startswith("eager_sgd:"):  # a configured instance rather than a registry name
         strategy = lightning_partial.EagerSGDStrategy(mode=strategy.split(":", 1)[1])
     kw = json.loads(args.strategy_kw)
+    kw = {k: timedelta(seconds=v) if k.endswith("timeout") else v for k, v in kw.items()}
     if kw:
         classes = {"eager_sgd": lightning_partial.EagerSGDStrategy, "wagma_sgd": lightning_partial.WAGMAStrategy,
                    "ds_sync": lightning_partial.DSSyncStrategy, "abs_sgd": lightning_partial.ABSSGDStrategy}

@@ -1,0 +1,299 @@
+"""Heartbeat: telling a rank that stopped answering from a rank that is slow.
+
+A straggler-tolerant job must never end because a rank is *slow*, and must end
+quickly when a rank has *stopped* (a frozen process, a hung device, a host cut
+off the network): its sockets stay open, so no collective fails until its
+timeout, and the long bound on waiting for a slow rank's arrival would keep the
+others waiting for half an hour. The heartbeat measures liveness apart from
+progress: a thread of its own beats every ``interval`` whatever the training
+loop does (a long validation, a checkpoint save, a slow data loader), so a rank
+whose heartbeat is silent for ``timeout`` is not slow but gone.
+
+Threads and store traffic (the contract):
+
+* Two daemon threads per rank. The *store thread* has its own client of the
+  store (a ``TCPStore`` client is one connection: a thread blocked in ``wait``
+  would stall it). The *watchdog* makes no store call: a ``TCPStore`` client
+  does not always honour its timeout when the server's process is frozen with
+  its sockets open, so it watches when the store last answered and, after
+  ``timeout`` of silence, names the store's host (rank 0) itself.
+* Every ``interval`` the store thread writes its own key ``<rank>`` (``"<beat>:<round>"``) and
+  reads two keys in one ``multi_get``: the key of the rank it watches, the next
+  one on a ring (``(rank + 1) % P``), and the verdict key ``dead``. That is
+  ``2 P`` store calls per interval for the job, not ``P^2``.
+* A watcher that sees its neighbour's key unchanged for ``timeout`` writes the
+  verdict (``compare_set``, so the first verdict stays) naming that rank and
+  the round of its last heartbeat; every rank reads it within one interval and
+  calls ``on_dead`` with a :class:`PartialCollectiveError` carrying it.
+* If the store itself does not answer within ``timeout`` (its host, rank 0, is
+  frozen) the verdict names rank 0 locally.
+* After a verdict, if ``exit_grace`` is set and :meth:`Heartbeat.stop` has not
+  been called within it (the main thread is blocked in a collective with the
+  dead rank, which gloo cannot cancel, or on the store), the watchdog logs the verdict and ends
+  the process with exit code 1, as NCCL's watchdog does: a stuck process is
+  turned into an exit that a launcher (torchrun, SLURM) can act on.
+
+A rank that stops cleanly writes ``"done"``: its watcher stops watching it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from lightning_partial.collectives.errors import PartialCollectiveError
+from lightning_partial.collectives.store import clone_store
+
+log = logging.getLogger(__name__)
+
+_DEAD = "dead"
+_DONE = "done"
+_ACK = "acknowledged"  # counter: ranks that have read the verdict
+_NEVER = "0:none"  # a watched rank's key before its first beat
+
+
+def default_interval(timeout: timedelta) -> float:
+    """Seconds between beats for a silence bound of ``timeout``: a twelfth of it, within 0.05 s .. 5 s."""
+    return min(5.0, max(0.05, timeout.total_seconds() / 12))
+
+
+class Heartbeat:
+    """The liveness monitor of one rank (see the module docstring).
+
+    Args:
+        store: the store shared by all ranks (the engines'); one client of its own is opened.
+        rank, world_size: this rank and the number of ranks.
+        timeout: silence after which the watched rank is declared dead.
+        on_dead: called once, on the heartbeat's thread, with the verdict's error.
+        progress: returns the round this rank is at (carried in its beats, named in a verdict).
+        interval: seconds between beats; default :func:`default_interval`.
+        exit_grace: if set, seconds after a verdict after which the process is ended
+            (exit code 1) unless :meth:`stop` was called.
+        name: prefix of the store keys; heartbeats that share a store need distinct names.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        rank: int,
+        world_size: int,
+        timeout: timedelta,
+        on_dead: Callable[[PartialCollectiveError], None],
+        progress: Callable[[], int] = lambda: -1,
+        interval: Optional[float] = None,
+        exit_grace: Optional[float] = None,
+        name: str = "heartbeat",
+    ) -> None:
+        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+            raise ValueError(f"heartbeat timeout must be a positive datetime.timedelta, got {timeout!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
+        if interval is not None and not (isinstance(interval, (int, float)) and 0 < interval < timeout.total_seconds()):
+            raise ValueError(f"heartbeat interval must be in (0, timeout), got {interval!r}")
+        if exit_grace is not None and not (isinstance(exit_grace, (int, float)) and exit_grace > 0):
+            raise ValueError(f"exit_grace must be a positive number of seconds or None, got {exit_grace!r}")
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.interval = float(interval) if interval is not None else default_interval(timeout)
+        self.exit_grace = exit_grace
+        self._on_dead = on_dead
+        self._progress = progress
+        self._store = store
+        self._name = name
+        self._client: Optional[dist.Store] = None
+        self._stopped = threading.Event()
+        self._verdict: Optional[PartialCollectiveError] = None
+        self._lock = threading.Lock()
+        self._store_ok = True  # False once the store failed to answer: no more calls on it
+        self._answered = 0.0  # when the store last answered the store thread
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def verdict(self) -> Optional[PartialCollectiveError]:
+        """The error of the verdict this rank has seen, or ``None``."""
+        return self._verdict
+
+    def wait_verdict(self, seconds: float) -> Optional[PartialCollectiveError]:
+        """The verdict, waiting at most ``seconds`` for one (a collective just timed out: who is gone?)."""
+        deadline = time.monotonic() + seconds
+        while self._verdict is None and not self._stopped.is_set() and time.monotonic() < deadline:
+            time.sleep(min(0.05, self.interval))
+        return self._verdict
+
+    def start(self) -> "Heartbeat":
+        """Writes the first beat and starts the threads (every rank; not collective)."""
+        if self._threads:
+            raise RuntimeError(f"rank {self.rank}: heartbeat started twice")
+        client = dist.PrefixStore(f"lightning_partial/{self._name}/hb", clone_store(self._store))
+        client.set_timeout(self.timeout)
+        self._client = client
+        # Both keys this rank reads exist from now on (compare_set creates a missing key and
+        # leaves an existing one alone), so that a read never waits: a watched rank that never
+        # beats is then silent like one that stopped, and is named after ``timeout``.
+        client.compare_set(str((self.rank + 1) % self.world_size), "", _NEVER)
+        client.compare_set(_DEAD, "", "")
+        self._beat(0)
+        self._answered = time.monotonic()
+        name = f"lightning_partial-{self._name}-rank{self.rank}"
+        self._threads = [
+            threading.Thread(target=self._run, name=name, daemon=True),
+            threading.Thread(target=self._watchdog, name=f"{name}-watchdog", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Ends the threads; marks this rank ``done`` for its watcher (best effort, bounded). Idempotent.
+
+        After a verdict, a rank first waits, at most three beats, until every other
+        live rank has read the verdict: its exit closes its connections (and on
+        rank 0 the store), and a rank that has not read the verdict yet would
+        report that closed connection instead of the rank that stopped answering.
+        """
+        if self._stopped.is_set():
+            return
+        client = self._client if self._store_ok else None  # a frozen store host would block these calls
+        if client is not None and self._verdict is not None:
+            self._wait_acknowledged(client, 3 * self.interval)
+        self._stopped.set()
+        threads, self._threads = self._threads, []
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=self.interval + 1.0)
+        self._client = None
+        if client is not None and self._verdict is None:
+            try:
+                client.set(str(self.rank), _DONE)
+            except Exception as err:  # the store's host may be gone already
+                log.debug("rank %d: heartbeat could not mark itself done: %s", self.rank, err)
+
+    def _wait_acknowledged(self, client: dist.Store, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        try:
+            while time.monotonic() < deadline:
+                if client.add(_ACK, 0) >= self.world_size - 1:  # every rank but the one gone
+                    return
+                time.sleep(min(0.05, self.interval))
+        except Exception as err:  # the verdict stands; this wait is a courtesy
+            log.debug("rank %d: waiting for the verdict's acknowledgements: %s", self.rank, err)
+
+    # ------------------------------------------------------------- threads
+    def _beat(self, count: int) -> None:
+        assert self._client is not None
+        self._client.set(str(self.rank), f"{count}:{self._progress()}")
+
+    def _run(self) -> None:
+        """The store thread: beats, reads its neighbour and the verdict. Any of its calls may block."""
+        client = self._client
+        assert client is not None
+        watched = (self.rank + 1) % self.world_size
+        last_seen: Optional[bytes] = None
+        last_change = time.monotonic()
+        count = 0
+        while not self._stopped.wait(self.interval) and self._verdict is None:
+            count += 1
+            now = time.monotonic()
+            try:
+                self._beat(count)
+                value, verdict = client.multi_get([str(watched), _DEAD])
+            except Exception as err:  # noqa: BLE001 - every failure of the store is a verdict here
+                self._store_ok = False
+                self._declare(self._store_failure(err, time.monotonic() - now), publish=False)
+                return
+            self._answered = time.monotonic()
+            if verdict:
+                self._declare(verdict.decode(), publish=False)
+                return
+            if watched == self.rank or value == _DONE.encode():
+                continue
+            if value != last_seen:
+                last_seen, last_change = value, now
+                continue
+            silent = now - last_change
+            if silent > self.timeout.total_seconds():
+                round_seen = value.decode().partition(":")[2]
+                last = "it never sent one" if round_seen == "none" else f"its last was at round {round_seen}"
+                self._declare(
+                    f"rank {watched} has not answered for {silent:.0f} s (no heartbeat: {last}; noticed by "
+                    f"rank {self.rank}): it is frozen, hung or cut off",
+                    publish=True,
+                )
+                return
+
+    def _watchdog(self) -> None:
+        """No store calls: names a store that stopped answering, and ends a process stuck after a verdict.
+
+        A ``TCPStore`` client does not always honour its timeout when the server's
+        process is frozen with its sockets open (measured: a ``get`` still blocked
+        after 90 s with a 1 s timeout), so the store thread's calls are not trusted
+        to return: this thread watches when they last did.
+        """
+        while not self._stopped.wait(self.interval):
+            if self._verdict is not None:
+                break
+            silent = time.monotonic() - self._answered
+            if silent > self.timeout.total_seconds() + self.interval:
+                self._store_ok = False
+                self._declare(self._store_failure(None, silent), publish=False)
+                break
+        self._exit_if_stuck()
+
+    def _store_failure(self, err: Optional[Exception], waited: float) -> str:
+        if err is None or "timeout" in str(err).lower() or waited >= self.timeout.total_seconds():
+            return (
+                f"the engines' store, hosted by rank 0, has not answered for {waited:.0f} s (noticed by rank "
+                f"{self.rank}): rank 0 is frozen, hung or cut off"
+            )
+        return f"the engines' store, hosted by rank 0, is unreachable ({err}; noticed by rank {self.rank}): did rank 0 die?"
+
+    def _declare(self, message: str, *, publish: bool) -> None:
+        """The verdict, once per rank (either thread): published if this rank made it, then ``on_dead``."""
+        with self._lock:
+            if self._verdict is not None:
+                return
+            self._verdict = PartialCollectiveError(message, rank=self.rank, round_index=self._safe_progress())
+        log.error("%s", self._verdict)
+        try:
+            self._on_dead(self._verdict)  # first: the store calls below may block
+        except Exception:  # noqa: BLE001 - the verdict must still end the process (watchdog)
+            log.exception("rank %d: heartbeat on_dead callback failed", self.rank)
+        client = self._client if self._store_ok else None
+        if client is not None:
+            try:
+                if publish:
+                    client.compare_set(_DEAD, "", message)
+                client.add(_ACK, 1)  # the others tear down once every live rank has read it
+            except Exception as err:  # the others then learn it from their own collectives' failures
+                log.debug("rank %d: could not publish or acknowledge the verdict: %s", self.rank, err)
+
+    def _safe_progress(self) -> Optional[int]:
+        try:
+            return int(self._progress())
+        except Exception:  # noqa: BLE001 - only for a message
+            return None
+
+    def _exit_if_stuck(self) -> None:
+        if self._verdict is None or self.exit_grace is None:
+            return
+        if self._stopped.wait(self.exit_grace):
+            return
+        log.critical(
+            "%s; this process did not stop within %.0f s of it (blocked in a collective with that rank, or on "
+            "the store): exiting with code 1",
+            self._verdict,
+            self.exit_grace,
+        )
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stderr.flush()
+        os._exit(1)
