@@ -1,4 +1,4 @@
-"""Configuration of a partial allreduce (ALGORITHMS.md section 1)."""
+"""Configuration of a partial allreduce (its semantics: docs/algorithms.md, eager_sgd)."""
 
 from __future__ import annotations
 

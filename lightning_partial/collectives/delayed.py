@@ -1,7 +1,7 @@
 """DelayedAllreduce: ABS-SGD's delayed, sample-weighted allreduce with adaptive per-rank batches.
 
-ALGORITHMS.md section 4 leaves open what starts a round and how epochs end;
-the rules fixed here (**Decisions**):
+ABS-SGD leaves open what starts a round and how epochs end; the rules fixed
+here (**Decisions**; the semantics in docs/algorithms.md, abs_sgd):
 
 * **Contributions.** The caller deposits every micro-batch it completes: its
   mean gradient and its number of samples ``b``. The engine accumulates
@@ -86,7 +86,7 @@ class DelayedConfig:
             requests a round (the fastest rank reaches it first).
         interval: ``"time"``: seconds between a rank's contributions.
         reference_samples: ``None`` (default): a round returns the sample-weighted
-            mean ``sum_i G_i / sum_i b_i`` (ALGORITHMS.md section 4), so a round that
+            mean ``sum_i G_i / sum_i b_i`` (docs/algorithms.md, abs_sgd), so a round that
             took more samples steps no farther. ``B``: it returns ``sum_i G_i / B``,
             the mean scaled by ``round samples / B``: the linear scaling rule
             (Goyal et al., 2017) per round, so the progress per sample does not

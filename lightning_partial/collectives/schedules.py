@@ -1,4 +1,4 @@
-"""Group schedules: which ranks average together in round ``r`` (ALGORITHMS.md sections 2 and 3).
+"""Group schedules: which ranks average together in round ``r`` (see docs/algorithms.md).
 
 A schedule is a pure function of the round index: every rank computes the
 same partition of ``0..P-1`` for every round without talking, a resumed run

@@ -1,6 +1,6 @@
 """DSSyncStrategy (``"ds_sync"``): divide-and-shuffle synchronisation by group model averaging.
 
-ALGORITHMS.md section 3. Each round the P ranks are split into G groups of
+See docs/algorithms.md. Each round the P ranks are split into G groups of
 P/G by a permutation drawn from an RNG seeded identically on every rank
 (:class:`~lightning_partial.collectives.schedules.ShuffleSchedule`); each group
 averages its parameters. Optional periodic global average (``global_every``),

@@ -1,6 +1,6 @@
 """WAGMAStrategy (``"wagma_sgd"``): wait-avoiding group model averaging over a butterfly schedule.
 
-ALGORITHMS.md section 2. Each step: a local SGD step, then the average of the
+See docs/algorithms.md. Each step: a local SGD step, then the average of the
 model within the round's butterfly group of size S (phases rotating every
 round, so ``log_S P`` consecutive rounds mix every rank into every other),
 activated by the first rank to arrive; a global average every ``tau`` rounds

@@ -1,0 +1,172 @@
+"""Writes README.md's result tables from the JSON files in benchmarks/results/.
+
+    python benchmarks/results_table.py            # rewrites the blocks in README.md
+    python benchmarks/results_table.py --check    # exit 1 if README.md differs from the JSON
+
+Two blocks of README.md are generated, each between a pair of markers:
+
+* ``<!-- main_job:begin -->`` ... ``<!-- main_job:end -->``: the main job
+  (``recipes/main_job.py``), from ``main_job.json``: each strategy's samples/s,
+  its ratio to DDP's, and rank 0's held-out accuracy against DDP's.
+* ``<!-- results:begin -->`` ... ``<!-- results:end -->``: the two benchmarks
+  that compare the strategies with DDP and with the no-communication bound:
+  ``imbalance.json`` (``benchmarks/imbalance.py``: eager_sgd, wagma_sgd,
+  ds_sync, post-local SGD; one straggler per step) and ``heterogeneity.json``
+  (``benchmarks/heterogeneity.py``: abs_sgd; persistent per-rank speeds).
+
+Everything between a pair of markers is replaced; everything else in the file
+is left byte for byte. Only the standard library is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "README.md"
+
+#: Rows of the main-job table: the strategies in the order main_job.py runs them.
+MAIN_JOB_ROWS: tuple[str, ...] = ("ddp", "eager_sgd", "eager_sgd_majority", "wagma_sgd", "ds_sync", "abs_sgd")
+
+#: Rows taken from imbalance.json: (configuration key, how the table names it).
+IMBALANCE_ROWS: tuple[tuple[str, str], ...] = (
+    ("ddp_imbalanced", "`ddp`"),
+    ("post_local_sgd_imbalanced", "post-local SGD (period 4)"),
+    ("eager_sgd_imbalanced", "`eager_sgd` (solo, `max_staleness=2`)"),
+    ("eager_sgd_majority_imbalanced", "`eager_sgd_majority`"),
+    ("wagma_sgd_imbalanced", "`wagma_sgd` (S=2, tau=10)"),
+    ("ds_sync_imbalanced", "`ds_sync` (G=2, `max_staleness=4`)"),
+    ("no_comm_imbalanced", "no communication (the bound)"),
+)
+
+Json = dict[str, Any]
+
+
+def load(name: str) -> Json:
+    """One results file, by its name in benchmarks/results/."""
+    with open(RESULTS / name, encoding="utf-8") as f:
+        data: Json = json.load(f)
+    return data
+
+
+def signed(points: float) -> str:
+    """A difference in percentage points, with its sign (``+0.00`` for none)."""
+    return f"{points:+.2f}"
+
+
+def ratio(value: Optional[float]) -> str:
+    """A ratio with two decimals; empty where the benchmark has none."""
+    return "" if value is None else f"{value:.2f}"
+
+
+def main_job_table(job: Json) -> list[str]:
+    """The main job: samples/s, x DDP, accuracy and its difference to DDP's, per strategy."""
+    results: dict[str, Json] = job["results"]
+    ddp = results["ddp"]["summary"]
+    lines = [
+        "| strategy | samples/s | x DDP | accuracy % | vs DDP (points) | replicas identical |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in MAIN_JOB_ROWS:
+        if name not in results:
+            continue
+        summary = results[name]["summary"]
+        accuracy = 100.0 * summary["val_acc"]
+        lines.append(
+            f"| `{name}` | {summary['samples_per_s']:,.0f} | {summary['samples_per_s'] / ddp['samples_per_s']:.2f}"
+            f" | {accuracy:.2f} | {signed(accuracy - 100.0 * ddp['val_acc'])}"
+            f" | {'yes' if summary['replicas_identical'] else 'NO'} |"
+        )
+    lines.append("")
+    lines.append(
+        f"`benchmarks/results/main_job.json`: {job['devices']} CPU processes per fit, recipe `{job['recipe']}`;"
+        f" all {len(results)} fits took {job['total_s']:.0f} s."
+    )
+    return lines
+
+
+def results_table(imbalance: Json, heterogeneity: Json) -> list[str]:
+    """Throughput against DDP and the bound, and accuracy against DDP's, in both benchmarks."""
+    lines = [
+        "| benchmark | configuration | samples/s x DDP | x bound | accuracy vs DDP (points) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    configurations: dict[str, Json] = imbalance["results"]
+    for key, label in IMBALANCE_ROWS:
+        if key not in configurations:
+            continue
+        ratios = configurations[key]["ratios"]
+        lines.append(
+            f"| imbalance | {label} | {ratios['throughput_vs_ddp']:.2f} | {ratio(ratios['throughput_vs_bound'])}"
+            f" | {signed(ratios['test_acc_minus_ddp_points']) if key != 'ddp_imbalanced' else 'reference'} |"
+        )
+    fits: dict[str, Json] = heterogeneity["results"]
+    summary: Json = heterogeneity["summary"]
+    ddp_acc = 100.0 * fits["ddp"]["median"]["test_acc"]
+    abs_acc = 100.0 * fits["abs_sgd"]["median"]["test_acc"]
+    bound_acc = 100.0 * fits["no_comm"]["median"]["test_acc"]
+    lines += [
+        f"| heterogeneity | `ddp` | 1.00 | {summary['ddp_vs_bound']:.2f} | reference |",
+        f"| heterogeneity | `abs_sgd` (`target_samples={heterogeneity['target_samples']}`)"
+        f" | {summary['abs_vs_ddp_samples_per_s']:.2f} | {summary['abs_vs_bound']:.2f} | {signed(abs_acc - ddp_acc)} |",
+        f"| heterogeneity | no communication (the bound) | {1.0 / summary['ddp_vs_bound']:.2f} | 1.00"
+        f" | {signed(bound_acc - ddp_acc)} |",
+    ]
+    settings = imbalance["settings"]
+    environment = imbalance["environment"]
+    lines += [
+        "",
+        f"*imbalance* (`benchmarks/results/imbalance.json`): {environment['ranks']} CPU ranks on"
+        f" {environment['cpus']} cores, {environment['model']}, {settings['steps']} steps of"
+        f" {settings['batch_size']} per rank, one straggler per step sleeping"
+        f" {settings['imbalance']['delay_ms']:.1f} ms.",
+        f"*heterogeneity* (`benchmarks/results/heterogeneity.json`): rank speeds"
+        f" {', '.join(f'{s:g}' for s in heterogeneity['speed'])}, the `--model {heterogeneity['model']}` task,"
+        f" medians of {heterogeneity['repeats']} repeats; abs_sgd reached DDP's final training loss in"
+        f" {summary['abs_time_to_ddp_final_loss_ratio']:.2f}x DDP's time.",
+    ]
+    return lines
+
+
+def replace_block(text: str, name: str, lines: Sequence[str]) -> str:
+    """``text`` with the lines between ``<!-- name:begin -->`` and ``<!-- name:end -->`` replaced."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    start = text.find(begin)
+    stop = text.find(end)
+    if start < 0 or stop < 0 or stop < start:
+        raise SystemExit(f"results_table.py: README.md has no '{begin}' ... '{end}' block")
+    head = text[: start + len(begin)]
+    return head + "\n" + "\n".join(lines) + "\n" + text[stop:]
+
+
+def render(readme: str) -> str:
+    """The README with both generated blocks rewritten from the JSON files."""
+    readme = replace_block(readme, "main_job", main_job_table(load("main_job.json")))
+    return replace_block(readme, "results", results_table(load("imbalance.json"), load("heterogeneity.json")))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="Writes README.md's result tables from benchmarks/results/*.json.")
+    parser.add_argument("--readme", type=Path, default=README, help="the file to rewrite (default: README.md)")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the file is out of date")
+    args = parser.parse_args(argv)
+    current = args.readme.read_text(encoding="utf-8")
+    updated = render(current)
+    if args.check:
+        if updated != current:
+            print(f"{args.readme}: the result tables differ from benchmarks/results/*.json;"
+                  " run python benchmarks/results_table.py", file=sys.stderr)
+            return 1
+        return 0
+    if updated != current:
+        args.readme.write_text(updated, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
