@@ -157,3 +157,25 @@ def restore_scheduler_stepping(trainer: Any) -> None:
 def before_optimizer_step(precision_plugin: Any, model: Any, optimizer: Any) -> None:
     """What Lightning runs between the closure and ``optimizer.step()``: the hooks, then gradient clipping."""
     precision_plugin._after_closure(model, optimizer)
+
+
+def take_over_step_checkpoints(callback: Any) -> int:
+    """Stops ``ModelCheckpoint`` ``callback`` saving by ``global_step % n`` itself; returns ``n`` (0: none).
+
+    Its other triggers (epoch ends, validation) are left as they are.
+    """
+    every = int(getattr(callback, "_every_n_train_steps", 0) or 0)
+    if every > 0:
+        callback._every_n_train_steps = 0
+    return every
+
+
+def save_step_checkpoint(callback: Any, trainer: Any) -> None:
+    """What ``ModelCheckpoint.on_train_batch_end`` does at a step that is due: top-k and ``last``.
+
+    Without its ``_should_skip_saving_checkpoint`` test, which compares this rank's own
+    ``global_step`` with the last one saved: every rank must take part in every save.
+    """
+    candidates = callback._monitor_candidates(trainer)
+    callback._save_topk_checkpoint(trainer, candidates)
+    callback._save_last_checkpoint(trainer, candidates)

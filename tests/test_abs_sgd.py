@@ -146,8 +146,31 @@ def test_a_staleness_rule_the_optimizer_cannot_serve_fails_at_setup(tmp_path, op
         _tiny_fit(ABSSGDStrategy(staleness_rule="momentum"), tmp_path, optimizer)
 
 
-def test_step_checkpoints_are_refused(tmp_path):
+def test_time_triggered_checkpoints_are_refused(tmp_path):
+    from datetime import timedelta
+
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    with pytest.raises(ValueError, match="every_n_train_steps"):
-        _tiny_fit(ABSSGDStrategy(), tmp_path, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)])
+    with pytest.raises(ValueError, match="train_time_interval"):
+        _tiny_fit(ABSSGDStrategy(), tmp_path,
+                  callbacks=[ModelCheckpoint(dirpath=tmp_path, train_time_interval=timedelta(seconds=1))])
+
+
+@pytest.mark.timeout(300)
+def test_step_checkpoints_are_consistent_cuts_that_resume(tmp_path):
+    """ModelCheckpoint(every_n_train_steps=5) under speeds 1, 1, 0.5, 0.25: one save per multiple on every
+    rank (a batch may apply two rounds), each a consistent cut; a fit resumed from one ends like the first."""
+    first = tmp_path / "first"
+    records = run_fit(first, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--checkpoint-every", "5")
+    assert_identical(first)
+    steps = records[0]["global_step"]
+    saved = sorted((first / "ckpt").glob("epoch=*-step=*.ckpt"))
+    assert len(saved) == steps // 5, [p.name for p in saved]  # one file per multiple, none skipped
+    for path in saved:
+        states = torch.load(path, weights_only=False)[CHECKPOINT_KEY]["engines"][0]
+        assert len({s["step"] for s in states}) == 1, path.name  # the same round on every rank
+    middle = saved[len(saved) // 2]
+    second = tmp_path / "second"
+    resumed = run_fit(second, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--resume", str(middle))
+    assert_identical(second)
+    assert len({r["global_step"] for r in resumed}) == 1

@@ -31,9 +31,11 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   applied is applied: the replicas end bit-identical.
 * **Checkpoints** hold the round counter, each rank's pending gradient sum and
   samples, the results not yet applied, and the global samples. Save at epoch
-  ends or from a hook that every rank reaches (``ModelCheckpoint`` with
-  ``every_n_train_steps`` or ``train_time_interval`` is refused: the ranks reach
-  a given step at different times).
+  ends, from a hook that every rank reaches, or with ``ModelCheckpoint(
+  every_n_train_steps=n)``: a batch may apply two rounds, so a rank can step
+  over a multiple of ``n`` that another stops at; the strategy therefore takes
+  over that trigger and saves once per multiple passed, at each rank's next
+  batch start. ``train_time_interval`` is refused (each rank's clock differs).
 """
 
 from __future__ import annotations
@@ -181,6 +183,8 @@ class ABSSGDStrategy(PartialStrategy):
         self._epoch_samples: Optional[int] = None
         self._batch_samples = 0
         self._last_rounds: dict[int, int] = {}  # agreed at the end of fit
+        # ModelCheckpoint(every_n_train_steps=n) callbacks this strategy triggers: [callback, n, multiples saved].
+        self._step_checkpoints: list[list[Any]] = []
 
     # ---------------------------------------------------------------- set-up
     @override
@@ -199,13 +203,18 @@ class ABSSGDStrategy(PartialStrategy):
         check_validation_schedule(trainer)
         self._staleness = compensation.resolve_all(self.staleness_rule, self.optimizers, owner=self.strategy_name,
                                                    spike=True)
+        self._step_checkpoints = []
         for cb in trainer.checkpoint_callbacks:
-            if isinstance(cb, ModelCheckpoint) and (cb._every_n_train_steps or cb._train_time_interval):
+            if isinstance(cb, ModelCheckpoint) and cb._train_time_interval:
                 raise ValueError(
-                    "abs_sgd: ModelCheckpoint(every_n_train_steps=..., train_time_interval=...) saves when each rank "
-                    "reaches a step, at different times on different ranks; save at epoch ends (every_n_epochs) "
-                    "or at the end of fit"
+                    "abs_sgd: ModelCheckpoint(train_time_interval=...) saves when each rank's clock says so, at "
+                    "different rounds on different ranks; save every_n_train_steps, at epoch ends "
+                    "(every_n_epochs) or at the end of fit"
                 )
+            if isinstance(cb, ModelCheckpoint):
+                every = _compat.take_over_step_checkpoints(cb)
+                if every:
+                    self._step_checkpoints.append([cb, every, 0])
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -304,6 +313,7 @@ class ABSSGDStrategy(PartialStrategy):
             return
         assert isinstance(engine, DelayedAllreduce)
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        self._save_due_step_checkpoints(trainer)
         if engine.final_round is not None:
             trainer.should_stop = True
             _compat.mark_last_batch(trainer)
@@ -398,12 +408,34 @@ class ABSSGDStrategy(PartialStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         if self._engines:
-            _compat.step_schedulers_by_rounds(self.lightning_module.trainer)  # type: ignore[union-attr]
+            _compat.step_schedulers_by_rounds(trainer)
+        for entry in self._step_checkpoints:
+            entry[2] = trainer.global_step // entry[1]  # a resumed fit: the multiples before it are saved
+
+    def _save_due_step_checkpoints(self, trainer: "pl.Trainer") -> None:
+        """Every rank, main thread, at a batch start (and the end of fit): one save per multiple of ``n`` passed.
+
+        ``ModelCheckpoint(every_n_train_steps=n)`` saves when ``global_step % n == 0`` at a
+        batch end. Under abs_sgd a batch may apply two rounds, so a rank can step over a
+        multiple that another rank stops at, and a save (collective: its quiesce and the
+        engines' gather) would wait for ranks that never come. Here each rank saves once for
+        every multiple its ``global_step`` has passed, at its next batch start: the same
+        saves, in the same order, on every rank; each quiesces the engines (``save_checkpoint``),
+        so the file is a consistent cut whatever step each rank had reached.
+        """
+        for entry in self._step_checkpoints:
+            callback, every, saved = entry
+            while saved < trainer.global_step // every:
+                saved += 1
+                entry[2] = saved
+                _compat.save_step_checkpoint(callback, trainer)
 
     @override
     def on_train_end(self) -> None:
         if not self._stopped and self._engines:
+            self._save_due_step_checkpoints(self.lightning_module.trainer)  # type: ignore[union-attr]
             self._last_rounds = self._quiesce()
         _compat.restore_scheduler_stepping(self.lightning_module.trainer)  # type: ignore[union-attr]
         super().on_train_end()

@@ -194,6 +194,8 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, default=None, help="save <out>/mid.ckpt after this many steps")
     parser.add_argument("--save-epoch", type=int, default=None, help="save <out>/mid.ckpt at this epoch's end")
     parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to resume the fit from")
+    parser.add_argument("--checkpoint-every", type=int, default=None,
+                        help="ModelCheckpoint(every_n_train_steps=N, save_top_k=-1, save_last=True) into <out>/ckpt")
     parser.add_argument("--sleep-at", default=None, help="BATCH:RANK:SECONDS: that rank sleeps in that step")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -234,7 +236,14 @@ def main() -> None:
         saver = SaveAt(args.out / "mid.ckpt", step=args.save_at, epoch=args.save_epoch)
     adaptive = AdaptiveBatchSize(window=4, min_batch_size=2) if args.adaptive else None  # BatchNorm needs 2
     epochs = EpochProbe()
-    callbacks = [c for c in (probe, imbalance, tracker, rotation, saver, adaptive, epochs) if c is not None]
+    checkpoints = None
+    if args.checkpoint_every is not None:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        checkpoints = ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.checkpoint_every,
+                                      save_top_k=-1, save_last=True)
+    callbacks = [c for c in (probe, imbalance, tracker, rotation, saver, adaptive, epochs, checkpoints)
+                 if c is not None]
     loggers: list[Logger] = []
     if args.csv is not None:
         loggers.append(CSVLogger(args.csv, name="fit", version=0))
@@ -255,7 +264,7 @@ def main() -> None:
         logger=loggers or False,
         log_every_n_steps=1,
         gradient_clip_val=args.clip,
-        enable_checkpointing=False,
+        enable_checkpointing=checkpoints is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
