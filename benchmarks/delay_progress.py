@@ -9,8 +9,8 @@ training loss (mean of the last 10 rounds) first reaches ``--target`` (default 0
 the benchmark, lr 0.4). ``B=512, delay=0`` is DDP's step.
 
 No communication and no imbalance: only the arithmetic of the update rule. Rounds draw their samples with
-replacement (the benchmark shuffles epochs), one seed. Results on this machine are in the README
-(heterogeneity section).
+replacement (the benchmark shuffles epochs), one seed. Results on this machine are in
+docs/benchmarks.md (heterogeneity section).
 
 Run: ``.venv/bin/python benchmarks/delay_progress.py`` (about 2 minutes on 2 cores).
 """

@@ -569,7 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="abs_sgd's reference_samples (the linear scaling rule per round; default: none, "
                              "the paper's sample-weighted mean)")
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
-                        help="abs_sgd with AdaptiveBatchSize (default: no; it costs throughput here, see the README)")
+                        help="abs_sgd with AdaptiveBatchSize (default: no; it costs throughput here, see docs/benchmarks.md)")
     parser.add_argument("--abs-epochs", type=int, default=3,
                         help="epochs abs_sgd trains (ddp and no_comm: one), to see when it reaches DDP's final loss")
     parser.add_argument("--model", choices=MODELS, default="cnn",

@@ -16,8 +16,8 @@ fit; test loss 0.568 and 78.12% accuracy at the defaults):
   round: rounds ``tau-1, 2 tau-1, ...`` are global, so ``tau - 1`` group rounds
   separate them (9 at the default 10). The reference's ``LIMITER 10`` is 10
   wait-avoiding rounds, then one global: ``global_every=11`` here. The default
-  stays 10 (**Decision**: the same count as the engine's ``sync_every`` and the
-  README's ``tau``; ``global_every=11`` measured 0.569 and 78.08%, no difference).
+  stays 10 (**Decision**: the same count as the engine's ``sync_every``;
+  ``global_every=11`` measured 0.569 and 78.08%, no difference).
 * **Order of step and average.** Here the optimizer steps first and the stepped
   model is averaged (``order="step_then_average"``, **Decision**); the reference
   assigns the group average to the pre-step model and then applies the local
