@@ -6,12 +6,13 @@ groups over a real ``TCPStore`` (``port=0``) and talks over loopback.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
 import threading
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
@@ -102,3 +103,23 @@ def run_processes(
             break
         reports[rank] = (status, value)
     return reports, exitcodes, store
+
+
+@contextlib.contextmanager
+def in_process_fit() -> Iterator[None]:
+    """Around a Trainer fit run in the test process: it leaves nothing behind for later launches.
+
+    Lightning writes the rendezvous variables (MASTER_PORT, WORLD_SIZE, ...) into
+    ``os.environ`` and keeps the default group and its store open. conftest.py restores
+    the variables after each test, but a module fixture runs before that snapshot, so a
+    fixture's fit would leak them into every later subprocess launch (seen: 11 launches
+    hung until their timeouts).
+    """
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)

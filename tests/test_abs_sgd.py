@@ -13,6 +13,7 @@ import torch
 import lightning_partial
 from lightning_partial import ABSSGDStrategy
 from lightning_partial.callbacks import AdaptiveBatchSize
+from tests.distributed import in_process_fit
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY
 from tests.test_eager_sgd import FIT_ENV, fit_command
 
@@ -131,7 +132,8 @@ def _tiny_fit(strategy, tmp_path: Path, optimizer=lambda params: torch.optim.SGD
             return optimizer(self.parameters())
 
     data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
-    trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=8))
+    with in_process_fit():
+        trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=8))
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,6 @@ remapped, ``tests/test_checkpoint_files.py``).
 from __future__ import annotations
 
 import hashlib
-import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -35,6 +34,7 @@ from lightning_partial.collectives.delayed import DelayedConfig
 from lightning_partial.collectives.schedules import ButterflySchedule, ShuffleSchedule
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, CheckpointMismatchError
+from tests.distributed import in_process_fit
 
 CASES: list[tuple[str, Callable[[], Any], str]] = [
     # eager_sgd
@@ -147,33 +147,15 @@ class _SaveAt(L.Callback):
 
 def tiny_fit(root: Path, strategy: Any, *, seen: list[int], callbacks: tuple = (), ckpt_path: Any = None,
              steps: int = 3, **trainer_kwargs: Any) -> L.Trainer:
-    """A 1-process fit in this process (the strategies' set-up runs for real: gloo, one rank).
-
-    Leaves nothing behind for later tests: Lightning writes the rendezvous variables
-    (MASTER_PORT, WORLD_SIZE, ...) into ``os.environ`` and keeps the default group and
-    its store open; module fixtures run before the per-test restoration in conftest.py,
-    so a fixture's fit would leak them into every later subprocess launch.
-    """
-    saved = dict(os.environ)
-    try:
-        return _tiny_fit(root, strategy, seen=seen, callbacks=callbacks, ckpt_path=ckpt_path, steps=steps,
-                         **trainer_kwargs)
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def _tiny_fit(root: Path, strategy: Any, *, seen: list[int], callbacks: tuple, ckpt_path: Any, steps: int,
-              **trainer_kwargs: Any) -> L.Trainer:
+    """A 1-process fit in this process (the strategies' set-up runs for real: gloo, one rank)."""
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
                         callbacks=[_Batches(seen), *callbacks], enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=root,
                         **trainer_kwargs)
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
-    trainer.fit(_Tiny(), torch.utils.data.DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
+    with in_process_fit():
+        trainer.fit(_Tiny(), torch.utils.data.DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
     return trainer
 
 

@@ -12,6 +12,14 @@ Mode = Literal["solo", "majority", "quorum", "sync"]
 LatePolicy = Literal["carry", "drop"]
 Normalize = Literal["world", "contributors", "sum"]
 
+def check_timedelta(name: str, value: object, *, optional: bool = False) -> None:
+    """Raises ``ValueError`` naming ``name`` unless ``value`` is a positive ``timedelta`` (or ``None`` if optional)."""
+    if optional and value is None:
+        return
+    if not isinstance(value, timedelta) or value.total_seconds() <= 0:
+        raise ValueError(f"{name} must be a positive datetime.timedelta{' or None' if optional else ''}, got {value!r}")
+
+
 MODES: tuple[str, ...] = ("solo", "majority", "quorum", "sync")
 LATE_POLICIES: tuple[str, ...] = ("carry", "drop")
 NORMALIZATIONS: tuple[str, ...] = ("world", "contributors", "sum")
@@ -114,16 +122,9 @@ class PartialAllreduceConfig:
             raise ValueError(f"staleness must be a StalenessWeights, got {type(self.staleness).__name__}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
-            raise ValueError(f"timeout must be a positive datetime.timedelta, got {self.timeout!r}")
-        if not isinstance(self.collective_timeout, timedelta) or self.collective_timeout.total_seconds() <= 0:
-            raise ValueError(
-                f"collective_timeout must be a positive datetime.timedelta, got {self.collective_timeout!r}"
-            )
-        if self.setup_timeout is not None and (
-            not isinstance(self.setup_timeout, timedelta) or self.setup_timeout.total_seconds() <= 0
-        ):
-            raise ValueError(f"setup_timeout must be a positive datetime.timedelta or None, got {self.setup_timeout!r}")
+        check_timedelta("timeout", self.timeout)
+        check_timedelta("collective_timeout", self.collective_timeout)
+        check_timedelta("setup_timeout", self.setup_timeout, optional=True)
         if not self.name or "/" in self.name:
             raise ValueError(f"name must be a non-empty string without '/', got {self.name!r}")
 

@@ -59,7 +59,7 @@ class ControlPlane:
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
-        self.op_timeout = timeout if op_timeout is None else min(op_timeout, timeout)
+        self.op_timeout = timeout if op_timeout is None else op_timeout
         self.main = dist.PrefixStore(prefix, clone_store(store))
         self.comm = dist.PrefixStore(prefix, clone_store(store))
         # The clients' default bound serves the calls that are not waits; a wait passes its own.

@@ -277,7 +277,6 @@ class PartialAllreduce:
         self._round_bound = config.collective_bound
         # Until when a gloo collective issued may still occupy its group's worker (see _retire_groups).
         self._inflight_until = 0.0
-        self._group_timeout = config.collective_bound  # what bounds a collective of the gloo groups by default
         # Set by the communication thread from taking a round's snapshot until its result
         # is published: collectives of that round may be in flight (see close()).
         self._in_round = False
@@ -373,13 +372,12 @@ class PartialAllreduce:
                 rank=self.rank,
                 round_index=None,
             ) from err
-        # The bound of its collectives (as work.wait(timeout)). Backend.set_timeout is
+        # Every allreduce passes its round's bound (_start) and every point-to-point wait its
+        # own (_finish); the group's default bounds anything else. Backend.set_timeout is
         # torch >= 2.9; ProcessGroupGloo._set_default_timeout is older.
         set_timeout = getattr(pg, "set_timeout", None) or getattr(pg, "_set_default_timeout", None)
         if set_timeout is not None:
             set_timeout(self.config.collective_bound)
-        else:  # pragma: no cover - old torch: its collectives keep the rendezvous bound
-            self._group_timeout = max(self._group_timeout, setup)
         return pg
 
     def arrive(self, tensors: Tensors) -> RoundResult:
@@ -519,8 +517,7 @@ class PartialAllreduce:
 
     def _retire_hold(self) -> float:
         """Seconds until every gloo collective issued has failed by its own bound, plus a margin."""
-        left = self._inflight_until - time.monotonic()
-        return max(0.0, min(left, self._group_timeout.total_seconds() + self.config.timeout.total_seconds())) + 1.0
+        return max(0.0, self._inflight_until - time.monotonic()) + 1.0
 
     def fail(self, error: PartialCollectiveError) -> None:
         """Fails the engine from another thread (a liveness monitor's verdict on a peer).

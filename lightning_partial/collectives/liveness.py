@@ -48,6 +48,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from lightning_partial.collectives.config import check_timedelta
 from lightning_partial.collectives.errors import PartialCollectiveError
 from lightning_partial.collectives.store import clone_store
 
@@ -92,8 +93,7 @@ class Heartbeat:
         exit_grace: Optional[float] = None,
         name: str = "heartbeat",
     ) -> None:
-        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-            raise ValueError(f"heartbeat timeout must be a positive datetime.timedelta, got {timeout!r}")
+        check_timedelta("heartbeat timeout", timeout)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
         if interval is not None and not (isinstance(interval, (int, float)) and 0 < interval < timeout.total_seconds()):

@@ -41,6 +41,7 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -66,6 +67,15 @@ from lightning_partial.strategies.checkpoint import state_for_rank
 from lightning_partial.strategies.partial import PartialStrategy
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _StepCheckpoint:
+    """A ``ModelCheckpoint(every_n_train_steps=every)`` that the strategy triggers; ``saved``: multiples saved."""
+
+    callback: ModelCheckpoint
+    every: int
+    saved: int = 0
 
 
 def check_validation_schedule(trainer: Any) -> None:
@@ -183,8 +193,8 @@ class ABSSGDStrategy(PartialStrategy):
         self._epoch_samples: Optional[int] = None
         self._batch_samples = 0
         self._last_rounds: dict[int, int] = {}  # agreed at the end of fit
-        # ModelCheckpoint(every_n_train_steps=n) callbacks this strategy triggers: [callback, n, multiples saved].
-        self._step_checkpoints: list[list[Any]] = []
+        # The ModelCheckpoint(every_n_train_steps=n) callbacks this strategy triggers.
+        self._step_checkpoints: list[_StepCheckpoint] = []
 
     # ---------------------------------------------------------------- set-up
     @override
@@ -214,7 +224,7 @@ class ABSSGDStrategy(PartialStrategy):
             if isinstance(cb, ModelCheckpoint):
                 every = _compat.take_over_step_checkpoints(cb)
                 if every:
-                    self._step_checkpoints.append([cb, every, 0])
+                    self._step_checkpoints.append(_StepCheckpoint(cb, every))
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -411,8 +421,8 @@ class ABSSGDStrategy(PartialStrategy):
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         if self._engines:
             _compat.step_schedulers_by_rounds(trainer)
-        for entry in self._step_checkpoints:
-            entry[2] = trainer.global_step // entry[1]  # a resumed fit: the multiples before it are saved
+        for trigger in self._step_checkpoints:
+            trigger.saved = trainer.global_step // trigger.every  # a resumed fit: the multiples before it are saved
 
     def _save_due_step_checkpoints(self, trainer: "pl.Trainer") -> None:
         """Every rank, main thread, at a batch start (and the end of fit): one save per multiple of ``n`` passed.
@@ -425,12 +435,10 @@ class ABSSGDStrategy(PartialStrategy):
         saves, in the same order, on every rank; each quiesces the engines (``save_checkpoint``),
         so the file is a consistent cut whatever step each rank had reached.
         """
-        for entry in self._step_checkpoints:
-            callback, every, saved = entry
-            while saved < trainer.global_step // every:
-                saved += 1
-                entry[2] = saved
-                _compat.save_step_checkpoint(callback, trainer)
+        for trigger in self._step_checkpoints:
+            while trigger.saved < trainer.global_step // trigger.every:
+                trigger.saved += 1
+                _compat.save_step_checkpoint(trigger.callback, trainer)
 
     @override
     def on_train_end(self) -> None:

@@ -86,6 +86,7 @@ from lightning_partial.collectives import (
     RoundStats,
     create_store,
 )
+from lightning_partial.collectives.config import check_timedelta
 from lightning_partial.collectives.liveness import Heartbeat
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, gather_engine_states, resume_entry, state_for_rank
 
@@ -166,13 +167,11 @@ class PartialStrategy(ParallelStrategy):
         )
         if start_method not in ("popen", "spawn"):
             raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
-        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-            raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
-        if not isinstance(collective_timeout, timedelta) or collective_timeout.total_seconds() <= 0:
-            raise ValueError(f"collective_timeout must be a positive datetime.timedelta, got {collective_timeout!r}")
+        check_timedelta("timeout", timeout)
+        check_timedelta("collective_timeout", collective_timeout)
         self._num_nodes = 1
         self._timeout = timeout
-        self._collective_timeout = min(collective_timeout, timeout)
+        self._collective_timeout = collective_timeout
         self._process_group_backend = process_group_backend
         self._start_method = start_method
         # Created in setup(), never in __init__: the strategy must stay picklable.
@@ -394,7 +393,7 @@ class PartialStrategy(ParallelStrategy):
             self._store,
             rank=self.global_rank,
             world_size=self.world_size,
-            timeout=self._collective_timeout,
+            timeout=self.partial_config.collective_bound,
             on_dead=on_dead,
             progress=lambda: max(e.round_reached for e in engines),
             exit_grace=_EXIT_GRACE,
