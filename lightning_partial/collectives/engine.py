@@ -1066,11 +1066,14 @@ class PartialAllreduce:
 
     def _expired(self, err: PartialCollectiveTimeout) -> None:  # pragma: no cover - needs GPUs
         """CompletionWatch thread: a round's NCCL kernels did not complete in time; fails the engine."""
-        # First, without the lock: a caller blocked in a host read behind the stuck kernels
-        # (a checkpoint's copy, under self._cond) is released only by the abort.
+        # The abort runs in a thread of its own: a caller blocked in a host read behind the stuck
+        # kernels (a checkpoint's copy, under self._cond) is released only by it, so it must not wait
+        # for the lock; and the abort itself can block while the kernels it cancels are still queued
+        # behind others, so the callers must not wait for it to learn of the failure.
         data_pg = self._data_pg
         if data_pg is not None:
-            abort_group(data_pg)
+            name = f"lightning_partial-{self.config.name}-rank{self.rank}-abort"
+            threading.Thread(target=abort_group, args=(data_pg,), name=name, daemon=True).start()
         with self._cond:
             if self._error is None and not self._closing:
                 self._error = err
