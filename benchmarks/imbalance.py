@@ -29,8 +29,10 @@ paper's ``staleness_rule="none"`` at the default bound),
 ``none``), ``eager_sgd_inverse_imbalanced``, ``eager_sgd_unbounded_inverse_imbalanced``,
 ``eager_sgd_s4_inverse_imbalanced``, ``eager_sgd_s6_inverse_imbalanced``,
 ``eager_sgd_momentum_imbalanced``, ``eager_sgd_unbounded_momentum_imbalanced``,
-``eager_sgd_s4_momentum_imbalanced`` (rule ``"momentum"``) and
-``eager_sgd_unbounded_drop_imbalanced`` (fresh-only rounds). The strategy's
+``eager_sgd_s4_momentum_imbalanced`` (rule ``"momentum"``),
+``eager_sgd_unbounded_drop_imbalanced`` (fresh-only rounds) and
+``eager_sgd_backup_imbalanced`` (``strategy="eager_sgd_backup"``: a round waits
+for 3 of the 4 ranks). The strategy's
 default rule is ``"auto"``: ``"inverse"`` under momentum. ``--optimizer adamw``
 trains every configuration with AdamW (``betas=(--momentum, 0.999)``) instead of SGD.
 
@@ -183,7 +185,7 @@ class Config:
     """One benchmark configuration: which strategy, with or without injected imbalance."""
 
     name: str
-    strategy: str  # "ddp", "eager_sgd", "eager_sgd_majority", "post_local_sgd" or "no_comm"
+    strategy: str  # "ddp", "eager_sgd", "eager_sgd_majority", "eager_sgd_backup", "post_local_sgd" or "no_comm"
     imbalanced: bool
     label: str
     # Keyword arguments of a configured strategy object (``EagerSGDStrategy(**options)``);
@@ -236,6 +238,8 @@ CONFIGS: dict[str, Config] = {
             "eager_sgd_unbounded_drop_imbalanced",
             ("max_staleness", None), ("late", "drop"), ("normalize", "contributors"), ("staleness_rule", "none"),
         ),
+        # One backup worker: a round waits for P - 1 arrivals, the last rank's gradient is carried.
+        Config("eager_sgd_backup_imbalanced", "eager_sgd_backup", True, "eager-SGD, 1 backup worker", default=False),
         Config("wagma_sgd_imbalanced", "wagma_sgd", True, "WAGMA-SGD (S=2, tau=10)"),
         Config("ds_sync_imbalanced", "ds_sync", True, "DS-Sync (G=2, max_staleness=4)"),
         Config("no_comm_imbalanced", "no_comm", True, "no communication (bound)"),
@@ -613,7 +617,7 @@ def _make_strategy(config: Config, args: argparse.Namespace) -> Any:
             return lightning_partial.DSSyncStrategy(**dict(config.options))
         mode = "majority" if config.strategy == "eager_sgd_majority" else "solo"
         return lightning_partial.EagerSGDStrategy(**{"mode": mode, **dict(config.options)})
-    if config.strategy in ("ddp", "eager_sgd", "eager_sgd_majority", "wagma_sgd", "ds_sync"):
+    if config.strategy in ("ddp", "eager_sgd", "eager_sgd_majority", "eager_sgd_backup", "wagma_sgd", "ds_sync"):
         return config.strategy  # registry names, as a user would write them (gloo on CPU)
     from baselines import NoCommStrategy, PostLocalSGDStrategy
 

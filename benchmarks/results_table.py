@@ -31,7 +31,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 
 #: Rows of the main-job table: the strategies in the order main_job.py runs them.
-MAIN_JOB_ROWS: tuple[str, ...] = ("ddp", "eager_sgd", "eager_sgd_majority", "wagma_sgd", "ds_sync", "abs_sgd")
+MAIN_JOB_ROWS: tuple[str, ...] = (
+    "ddp", "eager_sgd", "eager_sgd_majority", "eager_sgd_backup", "wagma_sgd", "ds_sync", "abs_sgd",
+)
 
 #: Rows taken from imbalance.json: (configuration key, how the table names it).
 IMBALANCE_ROWS: tuple[tuple[str, str], ...] = (
@@ -64,28 +66,36 @@ def ratio(value: Optional[float]) -> str:
     return "" if value is None else f"{value:.2f}"
 
 
-def main_job_table(job: Json) -> list[str]:
-    """The main job: samples/s, x DDP, accuracy and its difference to DDP's, per strategy."""
-    results: dict[str, Json] = job["results"]
-    ddp = results["ddp"]["summary"]
+#: The main job's seeds: ``main_job.json`` (seed 0) and one file per further seed.
+MAIN_JOB_FILES: tuple[str, ...] = ("main_job.json", "main_job_seed1.json", "main_job_seed2.json")
+
+
+def main_job_table(jobs: Sequence[Json]) -> list[str]:
+    """The main job over its seeds: samples/s x DDP and accuracy vs DDP's, mean and range, per strategy.
+
+    Every seed's strategies are compared with that seed's DDP fit (the same data order and straggler draws).
+    """
     lines = [
-        "| strategy | samples/s | x DDP | accuracy % | vs DDP (points) | replicas identical |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| strategy | x DDP (samples/s), mean [range] | accuracy vs DDP (points), mean | per seed | replicas identical |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for name in MAIN_JOB_ROWS:
-        if name not in results:
+        runs = [job["results"] for job in jobs if name in job["results"]]
+        if not runs:
             continue
-        summary = results[name]["summary"]
-        accuracy = 100.0 * summary["val_acc"]
+        speed = [r[name]["summary"]["samples_per_s"] / r["ddp"]["summary"]["samples_per_s"] for r in runs]
+        points = [100.0 * (r[name]["summary"]["val_acc"] - r["ddp"]["summary"]["val_acc"]) for r in runs]
+        identical = all(r[name]["summary"]["replicas_identical"] for r in runs)
         lines.append(
-            f"| `{name}` | {summary['samples_per_s']:,.0f} | {summary['samples_per_s'] / ddp['samples_per_s']:.2f}"
-            f" | {accuracy:.2f} | {signed(accuracy - 100.0 * ddp['val_acc'])}"
-            f" | {'yes' if summary['replicas_identical'] else 'NO'} |"
+            f"| `{name}` | {sum(speed) / len(speed):.2f} [{min(speed):.2f}-{max(speed):.2f}]"
+            f" | {signed(sum(points) / len(points))}"
+            f" | {', '.join(signed(p) for p in points)} | {'yes' if identical else 'NO'} |"
         )
+    ddp = [100.0 * job["results"]["ddp"]["summary"]["val_acc"] for job in jobs]
     lines.append("")
     lines.append(
-        f"`benchmarks/results/main_job.json`: {job['devices']} CPU processes per fit, recipe `{job['recipe']}`;"
-        f" all {len(results)} fits took {job['total_s']:.0f} s."
+        f"`benchmarks/results/main_job*.json`: {len(jobs)} seeds, {jobs[0]['devices']} CPU processes per fit, recipe"
+        f" `{jobs[0]['recipe']}`; DDP's accuracy {', '.join(f'{a:.2f}' for a in ddp)} %."
     )
     return lines
 
@@ -146,7 +156,7 @@ def replace_block(text: str, name: str, lines: Sequence[str]) -> str:
 
 def render(readme: str) -> str:
     """The README with both generated blocks rewritten from the JSON files."""
-    readme = replace_block(readme, "main_job", main_job_table(load("main_job.json")))
+    readme = replace_block(readme, "main_job", main_job_table([load(name) for name in MAIN_JOB_FILES]))
     return replace_block(readme, "results", results_table(load("imbalance.json"), load("heterogeneity.json")))
 
 

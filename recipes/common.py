@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = ROOT / "conf"
 #: The strategies the recipes are written for (any other registered name works too).
-STRATEGIES = ("eager_sgd", "eager_sgd_majority", "wagma_sgd", "ds_sync", "abs_sgd", "ddp")
+STRATEGIES = ("eager_sgd", "eager_sgd_majority", "eager_sgd_backup", "wagma_sgd", "ds_sync", "abs_sgd", "ddp")
 _LIGHTNING_NAMES = ("auto",)  # accepted by the Trainer besides the registry
 
 

@@ -51,9 +51,10 @@ from typing import Any, Optional
 log = logging.getLogger("recipes.main_job")
 
 ROOT = Path(__file__).resolve().parent.parent
-ALL_STRATEGIES = ("ddp", "eager_sgd", "eager_sgd_majority", "wagma_sgd", "ds_sync", "abs_sgd")
+ALL_STRATEGIES = ("ddp", "eager_sgd", "eager_sgd_majority", "eager_sgd_backup", "wagma_sgd", "ds_sync", "abs_sgd")
 LABELS = {
     "ddp": "DDP", "eager_sgd": "eager-SGD solo", "eager_sgd_majority": "eager-SGD majority",
+    "eager_sgd_backup": "eager-SGD, 1 backup worker",
     "wagma_sgd": "WAGMA-SGD", "ds_sync": "DS-Sync", "abs_sgd": "ABS-SGD",
 }
 # Variables that would make a fit believe its processes were started by someone else.

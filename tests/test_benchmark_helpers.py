@@ -94,3 +94,10 @@ def test_the_cnn_task_is_built_once_deterministic_and_buffer_free(tmp_path, monk
     net = heterogeneity.build_cnn()
     assert not list(net.buffers())  # DDP would broadcast buffers at every step
     assert net(first["x_train"][:4]).shape == (4, 10)
+
+
+def test_readme_result_tables_match_the_results_files():
+    """README.md's generated tables are what benchmarks/results/*.json say (``results_table.py --check``)."""
+    import results_table
+
+    assert results_table.main(["--check"]) == 0, "run: python benchmarks/results_table.py"

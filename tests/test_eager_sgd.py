@@ -26,11 +26,16 @@ def test_registry_names_resolve_to_the_right_mode_and_launcher():
         "eager_sgd_spawn": ("solo", "spawn"),
         "eager_sgd_majority": ("majority", "popen"),
         "eager_sgd_majority_spawn": ("majority", "spawn"),
+        "eager_sgd_backup": ("quorum", "popen"),
+        "eager_sgd_backup_spawn": ("quorum", "spawn"),
     }
     for name, (mode, start_method) in expected.items():
         strategy = StrategyRegistry.get(name)
         assert isinstance(strategy, EagerSGDStrategy)
         assert strategy.partial_config.mode == mode and strategy._start_method == start_method
+        if mode == "quorum":  # one backup worker: P - 1 arrivals activate a round, whatever P
+            assert strategy.partial_config.backup_workers == 1 and strategy.partial_config.quorum is None
+            assert [strategy.partial_config.activation_count(p, sync_round=False) for p in (2, 4, 8)] == [1, 3, 7]
         pickle.loads(pickle.dumps(strategy))  # no threads or groups before setup
 
 
@@ -38,7 +43,10 @@ def test_registry_names_resolve_to_the_right_mode_and_launcher():
     "kw, match",
     [
         (dict(mode="fastest"), "unknown mode"),
-        (dict(mode="quorum"), "needs quorum"),
+        (dict(mode="quorum"), "needs either quorum=k"),
+        (dict(mode="quorum", quorum=3, backup_workers=1), "needs either quorum=k"),
+        (dict(mode="quorum", backup_workers=0), "backup_workers must be an integer >= 1"),
+        (dict(mode="solo", backup_workers=1), "backup_workers=1 is only meaningful with mode='quorum'"),
         (dict(max_staleness=-2), "max_staleness"),
         (dict(start_method="fork"), "start_method"),
         (dict(staleness_rule="gap"), "unknown staleness_rule 'gap'"),
@@ -67,7 +75,7 @@ def fit(tmp_path: Path, strategy: str, *extra: str) -> list[dict[str, torch.Tens
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["eager_sgd", "eager_sgd_majority"])
+@pytest.mark.parametrize("strategy", ["eager_sgd", "eager_sgd_majority", "eager_sgd_backup"])
 def test_replicas_end_bit_identical_under_injected_imbalance(tmp_path, strategy):
     states = fit(tmp_path, strategy, "--straggle-ms", "20", "--steps", "30")
     for other in states[1:]:

@@ -255,6 +255,21 @@ def test_quorum_never_activates_with_fewer_than_k_fresh(k):
         assert len(r.stats.fresh) >= k, r.stats
 
 
+@pytest.mark.parametrize("b", [1, 2])
+def test_backup_workers_wait_for_all_but_b(b):
+    """backup_workers=b: each round waits for P - b fresh arrivals, and no more are needed."""
+    per_rank = train_loop(
+        config(mode="quorum", backup_workers=b, normalize="sum"),
+        steps=60,
+        grad=integer_grad,
+        delay=lambda rank, step, rng: random_delay(rng),
+    )
+    rounds = per_rank[0][1][:-1]
+    for r in rounds:
+        assert len(r.stats.fresh) >= P - b, r.stats
+    assert any(len(r.stats.fresh) < P for r in rounds), "every round waited for every rank: not a quorum"
+
+
 @pytest.mark.parametrize("s", [0, 1, 3])
 def test_max_staleness_bounds_how_far_a_rank_runs_ahead(s):
     entered = [0] * P
@@ -542,7 +557,11 @@ class TestBadInput:
         "kw, match",
         [
             (dict(mode="eager"), "unknown mode 'eager'"),
-            (dict(mode="quorum"), "needs quorum"),
+            (dict(mode="quorum"), "needs either quorum=k"),
+            (dict(mode="quorum", quorum=2, backup_workers=1), "needs either quorum=k"),
+            (dict(mode="quorum", backup_workers=-1), "backup_workers must be an integer >= 1"),
+            (dict(mode="quorum", backup_workers=True), "backup_workers must be an integer >= 1"),
+            (dict(mode="majority", backup_workers=1), "backup_workers=1 is only meaningful with mode='quorum'"),
             (dict(mode="quorum", quorum=0), "quorum must be an integer >= 1"),
             (dict(mode="solo", quorum=2), "only meaningful with mode='quorum'"),
             (dict(late="keep"), "unknown late policy"),
@@ -564,6 +583,7 @@ class TestBadInput:
         "kw, world, rank, match",
         [
             (dict(mode="quorum", quorum=5), 4, 0, r"quorum must be in 1..4"),
+            (dict(mode="quorum", backup_workers=4), 4, 0, r"backup_workers must be below the world size 4"),
             (dict(mode="majority"), 1, 0, "majority' needs at least 2 ranks"),
             (dict(mode="solo"), 4, 4, r"rank must be in 0..3"),
             (dict(mode="solo"), 0, 0, "world size must be >= 1"),

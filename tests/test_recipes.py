@@ -436,7 +436,7 @@ _R18 = ["--model.arch", "resnet18"]  # cheaper to build than resnet50
 CLI_CASES: list[tuple[str, str, list[str], list[str]]] = [
     # unknown names
     ("unknown strategy", "cifar_resnet", ["--trainer.strategy", "eager"],
-     [r"--trainer\.strategy: unknown strategy 'eager'", "eager_sgd, eager_sgd_majority, wagma_sgd, ds_sync"]),
+     [r"--trainer\.strategy: unknown strategy 'eager'", "eager_sgd, eager_sgd_majority, eager_sgd_backup, wagma_sgd, ds_sync"]),
     ("unknown strategy (translation)", "translation_transformer", ["--trainer.strategy", "wagma"],
      [r"--trainer\.strategy", "wagma_sgd"]),
     ("unknown dataset", "cifar_resnet", ["--data.dataset", "cifar1000"], [r"data\.dataset", "cifar10", "cifar100"]),

@@ -37,6 +37,9 @@ class PartialAllreduceConfig:
             every rank has arrived (a plain allreduce, with the engine's header).
         quorum: number of arrivals that activate a round in ``"quorum"`` mode, in
             ``1..P``; checked against the world size when the engine is built.
+        backup_workers: ``"quorum"`` mode, instead of ``quorum``: the number ``b``
+            of ranks a round does not wait for (``quorum = P - b``, resolved with
+            the world size, so that one configuration serves any ``P > b``).
         late: what happens to a gradient that arrives after its round was
             activated. ``"carry"`` (default): it stays in the send buffer and is
             contributed to the next round this rank takes part in (stale by >= 1),
@@ -85,6 +88,7 @@ class PartialAllreduceConfig:
 
     mode: Mode = "solo"
     quorum: Optional[int] = None
+    backup_workers: Optional[int] = None
     late: LatePolicy = "carry"
     normalize: Normalize = "world"
     sync_every: Optional[int] = None
@@ -100,12 +104,22 @@ class PartialAllreduceConfig:
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}: expected one of {', '.join(MODES)}")
         if self.mode == "quorum":
-            if self.quorum is None:
-                raise ValueError("mode='quorum' needs quorum=k, the number of arrivals that activate a round")
-            if isinstance(self.quorum, bool) or not isinstance(self.quorum, int) or self.quorum < 1:
-                raise ValueError(f"quorum must be an integer >= 1, got {self.quorum!r}")
-        elif self.quorum is not None:
-            raise ValueError(f"quorum={self.quorum!r} is only meaningful with mode='quorum' (mode={self.mode!r})")
+            if (self.quorum is None) == (self.backup_workers is None):
+                raise ValueError(
+                    "mode='quorum' needs either quorum=k, the number of arrivals that activate a round, or "
+                    f"backup_workers=b, the ranks a round does not wait for (got quorum={self.quorum!r}, "
+                    f"backup_workers={self.backup_workers!r})"
+                )
+            for name in ("quorum", "backup_workers"):
+                value = getattr(self, name)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        else:
+            for name in ("quorum", "backup_workers"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} is only meaningful with mode='quorum' (mode={self.mode!r})"
+                    )
         if self.late not in LATE_POLICIES:
             raise ValueError(f"unknown late policy {self.late!r}: expected one of {', '.join(LATE_POLICIES)}")
         if self.normalize not in NORMALIZATIONS:
@@ -142,7 +156,12 @@ class PartialAllreduceConfig:
         """Checks what depends on the number of ranks ``P``; raises ``ValueError``."""
         if world_size < 1:
             raise ValueError(f"world size must be >= 1, got {world_size}")
-        if self.mode == "quorum" and not 1 <= int(self.quorum or 0) <= world_size:
+        if self.mode == "quorum" and self.backup_workers is not None and self.backup_workers >= world_size:
+            raise ValueError(
+                f"backup_workers must be below the world size {world_size}, got {self.backup_workers}: "
+                "a round must wait for at least one rank"
+            )
+        if self.mode == "quorum" and self.backup_workers is None and not 1 <= int(self.quorum or 0) <= world_size:
             raise ValueError(f"quorum must be in 1..{world_size} (the world size), got {self.quorum}")
         if self.mode == "majority" and world_size < 2:
             raise ValueError(
@@ -157,6 +176,8 @@ class PartialAllreduceConfig:
         if self.mode == "solo":
             return 1
         if self.mode == "quorum":
+            if self.backup_workers is not None:
+                return world_size - self.backup_workers
             return int(self.quorum)  # type: ignore[arg-type]
         return None
 

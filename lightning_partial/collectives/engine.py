@@ -798,9 +798,14 @@ class PartialAllreduce:
             log.error("%s", err)
 
     def _explain(self, err: BaseException) -> BaseException:
-        """A collective that timed out: the heartbeat's verdict naming the rank gone, if one comes soon."""
+        """A collective that failed: the heartbeat's verdict naming the rank gone, if one comes soon.
+
+        Any failure, not only a timeout: a survivor that read the verdict first and
+        exited closes its connections, and the others' collectives then fail with
+        "connection closed" before they have read it.
+        """
         liveness = self._liveness
-        if liveness is None or not isinstance(err, PartialCollectiveTimeout):
+        if liveness is None or not isinstance(err, PartialCollectiveError) or isinstance(err, EngineClosedError):
             return err
         verdict = liveness.wait_verdict(2 * liveness.interval)
         if verdict is None:

@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 _DEAD = "dead"
 _DONE = "done"
 _ACK = "acknowledged"  # counter: ranks that have read the verdict
+_ACK_WAIT_MIN_S = 2.0  # the least a rank waits, after a verdict, for the others to read it
 _NEVER = "0:none"  # a watched rank's key before its first beat
 
 
@@ -155,7 +156,8 @@ class Heartbeat:
     def stop(self) -> None:
         """Ends the threads; marks this rank ``done`` for its watcher (best effort, bounded). Idempotent.
 
-        After a verdict, a rank first waits, at most three beats, until every other
+        After a verdict, a rank first waits, at most three beats (and at least
+        2 s: a loaded host may take that long to read it), until every other
         live rank has read the verdict: its exit closes its connections (and on
         rank 0 the store), and a rank that has not read the verdict yet would
         report that closed connection instead of the rank that stopped answering.
@@ -164,7 +166,7 @@ class Heartbeat:
             return
         client = self._client if self._store_ok else None  # a frozen store host would block these calls
         if client is not None and self._verdict is not None:
-            self._wait_acknowledged(client, 3 * self.interval)
+            self._wait_acknowledged(client, max(3 * self.interval, _ACK_WAIT_MIN_S))
         self._stopped.set()
         threads, self._threads = self._threads, []
         for thread in threads:

@@ -76,7 +76,7 @@ CHECKPOINT_KEY = "lightning_partial"
 
 #: The registered strategies of each engine family (what a checkpoint of that family can be resumed with).
 FAMILY_STRATEGIES: dict[str, tuple[str, ...]] = {
-    "gradients": ("eager_sgd", "eager_sgd_majority"),
+    "gradients": ("eager_sgd", "eager_sgd_majority", "eager_sgd_backup"),
     "models": ("wagma_sgd", "ds_sync"),
     "abs_sgd": ("abs_sgd",),
 }

@@ -55,9 +55,13 @@ class EagerSGDStrategy(PartialStrategy):
     """Eager-SGD: gradients averaged by partial allreduce (solo, majority, quorum, sync).
 
     Args:
-        mode, quorum, late, normalize, sync_every, max_staleness, seed: the
-            engine's :class:`~lightning_partial.collectives.PartialAllreduceConfig`
+        mode, quorum, backup_workers, late, normalize, sync_every, max_staleness, seed:
+            the engine's :class:`~lightning_partial.collectives.PartialAllreduceConfig`
             (validated here; the checks that need the world size run at set-up).
+            ``mode="quorum", backup_workers=b``: a round waits for all ranks but
+            the last ``b`` to arrive (``"eager_sgd_backup"``: ``b = 1``); under
+            momentum this keeps most of each round fresh where solo's is mostly
+            one round late (``docs/staleness.md``).
             **Decision:** ``max_staleness`` defaults to 2 here (the engine's
             default is unbounded, as the paper's solo). Unbounded, a straggler
             falls several rounds behind and its gradients land up to 21 rounds
@@ -103,6 +107,7 @@ class EagerSGDStrategy(PartialStrategy):
         *,
         mode: str = "solo",
         quorum: Optional[int] = None,
+        backup_workers: Optional[int] = None,
         late: str = "carry",
         normalize: str = "world",
         sync_every: Optional[int] = None,
@@ -129,6 +134,7 @@ class EagerSGDStrategy(PartialStrategy):
         self.partial_config = PartialAllreduceConfig(
             mode=mode,  # type: ignore[arg-type]
             quorum=quorum,
+            backup_workers=backup_workers,
             late=late,  # type: ignore[arg-type]
             normalize=normalize,  # type: ignore[arg-type]
             sync_every=sync_every,
@@ -246,19 +252,23 @@ class EagerSGDStrategy(PartialStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        entries = (
-            ("eager_sgd", "solo", "popen"),
-            ("eager_sgd_spawn", "solo", "spawn"),
-            ("eager_sgd_majority", "majority", "popen"),
-            ("eager_sgd_majority_spawn", "majority", "spawn"),
+        entries: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
+            ("eager_sgd", "solo", "popen", {}),
+            ("eager_sgd_spawn", "solo", "spawn", {}),
+            ("eager_sgd_majority", "majority", "popen", {}),
+            ("eager_sgd_majority_spawn", "majority", "spawn", {}),
+            ("eager_sgd_backup", "quorum", "popen", {"backup_workers": 1}),
+            ("eager_sgd_backup_spawn", "quorum", "spawn", {"backup_workers": 1}),
         )
-        for name, mode, start_method in entries:
+        for name, mode, start_method, options in entries:
             if name in strategy_registry:  # idempotent: importing twice is fine
                 continue
+            described = "".join(f", {key}={value}" for key, value in options.items())
             strategy_registry.register(
                 name,
                 cls,
-                description=f"eager-SGD with partial allreduce, mode '{mode}', start_method '{start_method}'",
+                description=f"eager-SGD with partial allreduce, mode '{mode}'{described}, start_method '{start_method}'",
                 mode=mode,
                 start_method=start_method,
+                **options,
             )
