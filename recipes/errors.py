@@ -6,6 +6,8 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from lightning_partial.collectives.checks import is_int_at_least
+
 
 class RecipeConfigError(ValueError):
     """A bad option value. ``option`` is the CLI key (``data.batch_size``); ``str()`` names it first."""
@@ -18,7 +20,7 @@ class RecipeConfigError(ValueError):
 
 def check_int(value: Any, option: str, *, minimum: int) -> int:
     """``value`` as an int ``>= minimum`` (bools refused)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int_at_least(value, minimum):
         raise RecipeConfigError(option, f"must be an integer >= {minimum}, got {value!r}")
     return value
 

@@ -271,3 +271,23 @@ def test_bad_setup_fails_before_the_first_batch(tmp_path: Path, eager_checkpoint
 
 def test_the_tables_are_long_enough() -> None:
     assert len(CASES) >= 25 and len(SETUP_CASES) >= 15
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(name="n", value=True), r"^n must be an integer >= 1, got True$"),
+        (dict(name="n", value=1.0), r"^n must be an integer >= 1, got 1\.0$"),
+        (dict(name="n", value=None), r"^n must be an integer >= 1, got None$"),
+        (dict(name="n", value=-1, minimum=0, optional=True), r"^n must be an integer >= 0 or None, got -1$"),
+        (dict(name="n", value="2", owner="Thing"), r"^Thing: n must be an integer >= 1, got '2'$"),
+    ],
+)
+def test_the_shared_integer_check_names_the_option(kw, match):
+    """One helper (lightning_partial.collectives.checks.check_int) behind every integer option."""
+    from lightning_partial.collectives.checks import check_int
+
+    with pytest.raises(ValueError, match=match):
+        check_int(**kw)
+    check_int("n", None, optional=True)  # accepted
+    check_int("n", 0, minimum=0)

@@ -30,6 +30,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_partial.collectives import RoundStats
+from lightning_partial.collectives.checks import check_int
 
 
 class AdaptiveBatchSize(Callback):
@@ -43,11 +44,9 @@ class AdaptiveBatchSize(Callback):
     """
 
     def __init__(self, window: int = 8, min_batch_size: int = 1, log: bool = True, history: int = 10_000) -> None:
-        for name, value in (("window", window), ("min_batch_size", min_batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"AdaptiveBatchSize: {name} must be an integer >= 1, got {value!r}")
-        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
-            raise ValueError(f"AdaptiveBatchSize: history must be a non-negative int, got {history!r}")
+        check_int("window", window, owner="AdaptiveBatchSize")
+        check_int("min_batch_size", min_batch_size, owner="AdaptiveBatchSize")
+        check_int("history", history, minimum=0, owner="AdaptiveBatchSize")
         self.window = window
         self.min_batch_size = min_batch_size
         self.log = log

@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from lightning_partial.collectives.checks import check_int
 from lightning_partial.collectives.schedules import Schedule, SwitchingSchedule
 
 log = logging.getLogger(__name__)
@@ -76,16 +77,11 @@ class GroupRotation(Callback):
             raise ValueError(f"schedule must be a Schedule or a callable world_size -> Schedule, got {schedule!r}")
         switch_at = dict(switch_at or {})
         for start, s in switch_at.items():
-            if isinstance(start, bool) or not isinstance(start, int) or start < 1:
-                raise ValueError(f"switch_at rounds must be integers >= 1, got {start!r}")
+            check_int("a switch_at round", start)
             if not (isinstance(s, Schedule) or callable(s)):
                 raise ValueError(f"switch_at[{start}] must be a Schedule or a callable, got {s!r}")
-        if consensus_every is not None and (
-            isinstance(consensus_every, bool) or not isinstance(consensus_every, int) or consensus_every < 1
-        ):
-            raise ValueError(f"consensus_every must be an integer >= 1 or None, got {consensus_every!r}")
-        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
-            raise ValueError(f"GroupRotation: history must be a non-negative int, got {history!r}")
+        check_int("consensus_every", consensus_every, optional=True)
+        check_int("history", history, minimum=0, owner="GroupRotation")
         self.schedule = schedule
         self.switch_at = switch_at
         self.consensus_every = consensus_every

@@ -49,6 +49,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_partial.collectives.checks import check_int
+
 log = logging.getLogger(__name__)
 
 
@@ -130,16 +132,14 @@ class LoadImbalance(Callback):
             raise ValueError(f"LoadImbalance: delay_ms must be a finite number of milliseconds, got {delay_ms!r}")
         if delay_ms < 0:
             raise ValueError(f"LoadImbalance: delay_ms must be >= 0, got {delay_ms!r}")
-        if isinstance(stragglers, bool) or not isinstance(stragglers, int) or stragglers < 0:
-            raise ValueError(f"LoadImbalance: stragglers must be a non-negative int, got {stragglers!r}")
+        check_int("stragglers", stragglers, minimum=0, owner="LoadImbalance")
         if delay_ms > 0 and stragglers < 1:
             raise ValueError(f"LoadImbalance: stragglers must be >= 1 when delay_ms > 0, got {stragglers}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"LoadImbalance: seed must be an int, got {seed!r}")
         if not isinstance(log, bool):
             raise ValueError(f"LoadImbalance: log must be a bool, got {log!r}")
-        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
-            raise ValueError(f"LoadImbalance: history must be a non-negative int, got {history!r}")
+        check_int("history", history, minimum=0, owner="LoadImbalance")
         factors: Optional[tuple[float, ...]] = None
         if speed is not None:
             try:

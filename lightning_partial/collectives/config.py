@@ -6,19 +6,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal, Optional
 
+from lightning_partial.collectives.checks import check_int, check_timedelta
 from lightning_partial.collectives.staleness import StalenessWeights
+
+__all__ = ["PartialAllreduceConfig", "check_timedelta", "MODES", "LATE_POLICIES", "NORMALIZATIONS"]
 
 Mode = Literal["solo", "majority", "quorum", "sync"]
 LatePolicy = Literal["carry", "drop"]
 Normalize = Literal["world", "contributors", "sum"]
-
-def check_timedelta(name: str, value: object, *, optional: bool = False) -> None:
-    """Raises ``ValueError`` naming ``name`` unless ``value`` is a positive ``timedelta`` (or ``None`` if optional)."""
-    if optional and value is None:
-        return
-    if not isinstance(value, timedelta) or value.total_seconds() <= 0:
-        raise ValueError(f"{name} must be a positive datetime.timedelta{' or None' if optional else ''}, got {value!r}")
-
 
 MODES: tuple[str, ...] = ("solo", "majority", "quorum", "sync")
 LATE_POLICIES: tuple[str, ...] = ("carry", "drop")
@@ -112,8 +107,8 @@ class PartialAllreduceConfig:
                 )
             for name in ("quorum", "backup_workers"):
                 value = getattr(self, name)
-                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                    raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                if value is not None:
+                    check_int(name, value)
         else:
             for name in ("quorum", "backup_workers"):
                 if getattr(self, name) is not None:
@@ -124,14 +119,8 @@ class PartialAllreduceConfig:
             raise ValueError(f"unknown late policy {self.late!r}: expected one of {', '.join(LATE_POLICIES)}")
         if self.normalize not in NORMALIZATIONS:
             raise ValueError(f"unknown normalize {self.normalize!r}: expected one of {', '.join(NORMALIZATIONS)}")
-        if self.sync_every is not None and (
-            isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1
-        ):
-            raise ValueError(f"sync_every must be an integer >= 1 or None, got {self.sync_every!r}")
-        if self.max_staleness is not None and (
-            isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0
-        ):
-            raise ValueError(f"max_staleness must be an integer >= 0 or None, got {self.max_staleness!r}")
+        check_int("sync_every", self.sync_every, optional=True)
+        check_int("max_staleness", self.max_staleness, minimum=0, optional=True)
         if not isinstance(self.staleness, StalenessWeights):
             raise ValueError(f"staleness must be a StalenessWeights, got {type(self.staleness).__name__}")
         if not isinstance(self.seed, int):

@@ -60,6 +60,7 @@ from typing import Any, Literal, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_partial.collectives.checks import check_int
 from lightning_partial.collectives.config import PartialAllreduceConfig
 from lightning_partial.collectives.engine import PartialAllreduce, RoundResult, Tensors, _Deposit
 from lightning_partial.collectives.errors import PartialCollectiveTimeout
@@ -67,13 +68,6 @@ from lightning_partial.collectives.stats import RoundStats
 
 Trigger = Literal["samples", "time"]
 TRIGGERS: tuple[str, ...] = ("samples", "time")
-
-
-def _positive_int(name: str, value: Any, *, optional: bool = True) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1{' or None' if optional else ''}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,17 +113,17 @@ class DelayedConfig:
         if self.trigger not in TRIGGERS:
             raise ValueError(f"unknown trigger {self.trigger!r}: expected one of {', '.join(TRIGGERS)}")
         if self.trigger == "samples":
-            _positive_int("target_samples", self.target_samples, optional=False)
+            check_int("target_samples", self.target_samples)
             if self.interval is not None:
                 raise ValueError("interval is only meaningful with trigger='time'")
         else:
             if isinstance(self.interval, bool) or not isinstance(self.interval, (int, float)) or not self.interval > 0:
                 raise ValueError(f"trigger='time' needs interval > 0 (seconds), got {self.interval!r}")
-            _positive_int("target_samples", self.target_samples)
-        _positive_int("reference_samples", self.reference_samples)
-        _positive_int("epoch_samples", self.epoch_samples)
-        _positive_int("max_epochs", self.max_epochs)
-        _positive_int("max_rounds", self.max_rounds)
+            check_int("target_samples", self.target_samples, optional=True)
+        check_int("reference_samples", self.reference_samples, optional=True)
+        check_int("epoch_samples", self.epoch_samples, optional=True)
+        check_int("max_epochs", self.max_epochs, optional=True)
+        check_int("max_rounds", self.max_rounds, optional=True)
         if self.max_epochs is not None and self.epoch_samples is None:
             raise ValueError("max_epochs needs epoch_samples (the global samples of one epoch)")
         # The engine's own checks (timeout, collective_timeout, setup_timeout, name).
@@ -218,8 +212,7 @@ class DelayedAllreduce(PartialAllreduce):
         i.e. until the previous round has completed (bounded by the timeout).
         """
         self._check_running("deposit")
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-            raise ValueError(f"rank {self.rank}: samples must be an integer >= 1, got {samples!r}")
+        check_int("samples", samples, owner=f"rank {self.rank}")
         grads = self._as_list(tensors)
         with self._cond:
             q = self._snapshotted + 1

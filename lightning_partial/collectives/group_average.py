@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_partial.collectives.checks import check_int
 from lightning_partial.collectives.config import PartialAllreduceConfig
 from lightning_partial.collectives.engine import _COUNT, PartialAllreduce, RoundResult, Tensors, _Deposit, _Issued
 from lightning_partial.collectives.schedules import Schedule
@@ -131,10 +132,7 @@ class GroupAverage(PartialAllreduce):
                     f"{config.staleness.rule!r} (apply_average(late='damp') weighs late models)"
                 )
         schedule.check_world(world_size)
-        if measure_every is not None and (
-            isinstance(measure_every, bool) or not isinstance(measure_every, int) or measure_every < 1
-        ):
-            raise ValueError(f"measure_every must be an integer >= 1 or None, got {measure_every!r}")
+        check_int("measure_every", measure_every, optional=True)
         super().__init__(config, store=store, rank=rank, world_size=world_size, like=like, backend=backend)
         if self.backend == "gloo" and self._cuda_device is not None:
             raise ValueError("GroupAverage exchanges CUDA tensors point-to-point with backend='nccl' only")
@@ -396,8 +394,7 @@ def lag_damping(lag: int) -> float:
     two: 0.824 at ``k = 4``, 0.988 at ``k = 64``; ``n`` large: 0.917, 0.995), so
     no ``max_staleness``, or none at all, lets a late rank drift off.
     """
-    if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
-        raise ValueError(f"lag must be an integer >= 0, got {lag!r}")
+    check_int("lag", lag, minimum=0)
     return 1.0 / (lag + 1)
 
 

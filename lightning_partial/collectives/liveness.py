@@ -48,7 +48,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from lightning_partial.collectives.config import check_timedelta
+from lightning_partial.collectives.checks import check_timedelta
 from lightning_partial.collectives.errors import PartialCollectiveError
 from lightning_partial.collectives.store import clone_store
 

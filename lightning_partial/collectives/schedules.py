@@ -16,6 +16,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
+from lightning_partial.collectives.checks import check_int
+
 Group = tuple[int, ...]
 
 
@@ -47,12 +49,6 @@ class Schedule(ABC):
             )
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 def _is_power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
@@ -75,8 +71,8 @@ class ButterflySchedule(Schedule):
     group_size: int
 
     def __post_init__(self) -> None:
-        _check_int("world_size", self.world_size, 1)
-        _check_int("group_size", self.group_size, 1)
+        check_int("world_size", self.world_size)
+        check_int("group_size", self.group_size)
         if not _is_power_of_two(self.world_size):
             raise ValueError(
                 f"the butterfly schedule needs a power-of-two number of ranks: world_size must be 1, 2, 4, 8, ..., "
@@ -119,8 +115,8 @@ class ShuffleSchedule(Schedule):
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("world_size", self.world_size, 1)
-        _check_int("num_groups", self.num_groups, 1)
+        check_int("world_size", self.world_size)
+        check_int("num_groups", self.num_groups)
         if self.num_groups > self.world_size:
             raise ValueError(f"num_groups {self.num_groups} exceeds the world size {self.world_size}")
         if self.world_size % self.num_groups:

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
+from lightning_partial.collectives.checks import check_int
+
 
 class ElasticBatchSampler(Sampler[list[int]]):
     """Endless batches of rank ``rank``'s shard of ``num_samples`` indices (a ``batch_sampler``)."""
@@ -37,8 +39,7 @@ class ElasticBatchSampler(Sampler[list[int]]):
         seed: int = 0,
     ) -> None:
         for name, value in (("num_samples", num_samples), ("batch_size", batch_size), ("num_replicas", num_replicas)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ElasticBatchSampler: {name} must be an integer >= 1, got {value!r}")
+            check_int(name, value, owner="ElasticBatchSampler")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"ElasticBatchSampler: rank must be in 0..{num_replicas - 1}, got {rank!r}")
         if num_samples < num_replicas:

@@ -138,6 +138,7 @@ class ABSSGDStrategy(PartialStrategy):
     """
 
     strategy_name = "abs_sgd"
+    registry_entries = (("abs_sgd", "ABS-SGD: delayed synchronous SGD with adaptive batch sizes", {}),)
     engine_family = "abs_sgd"  # pending gradient sums with sample counts, unapplied results
 
     def __init__(
@@ -462,18 +463,3 @@ class ABSSGDStrategy(PartialStrategy):
                     engine.resume()  # type: ignore[attr-defined]
             return
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    # -------------------------------------------------------------- registry
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        entries = (("abs_sgd", "popen"), ("abs_sgd_spawn", "spawn"))
-        for name, start_method in entries:
-            if name in strategy_registry:  # idempotent: importing twice is fine
-                continue
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"ABS-SGD: delayed synchronous SGD with adaptive batch sizes, start_method '{start_method}'",
-                start_method=start_method,
-            )

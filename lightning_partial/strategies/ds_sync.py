@@ -41,11 +41,11 @@ from typing import Literal, Optional
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from lightning_partial.collectives.checks import check_int
 from lightning_partial.collectives.schedules import Schedule, ShuffleSchedule
 from lightning_partial.strategies.model_averaging import ModelAveragingStrategy, ScheduleSource
 
@@ -58,6 +58,7 @@ class DSSyncStrategy(ModelAveragingStrategy):
     """
 
     strategy_name = "ds_sync"
+    registry_entries = (("ds_sync", "DS-Sync shuffled group model averaging", {}),)
 
     def __init__(
         self,
@@ -84,8 +85,7 @@ class DSSyncStrategy(ModelAveragingStrategy):
         process_group_backend: Optional[str] = None,
         start_method: Literal["popen", "spawn"] = "popen",
     ) -> None:
-        if num_groups is not None and (isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1):
-            raise ValueError(f"num_groups must be an integer >= 1, got {num_groups!r}")
+        check_int("num_groups", num_groups, optional=True)
         self.num_groups = num_groups
         super().__init__(
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
@@ -99,14 +99,3 @@ class DSSyncStrategy(ModelAveragingStrategy):
     def default_schedule(self, world_size: int) -> Schedule:
         groups = self.num_groups if self.num_groups is not None else max(world_size // 2, 1)
         return ShuffleSchedule(world_size=world_size, num_groups=groups, seed=self.seed)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, start_method in (("ds_sync", "popen"), ("ds_sync_spawn", "spawn")):
-            if name in strategy_registry:  # idempotent
-                continue
-            strategy_registry.register(
-                name, cls, description=f"DS-Sync shuffled group model averaging, start_method '{start_method}'",
-                start_method=start_method,
-            )

@@ -36,7 +36,6 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -96,6 +95,12 @@ class EagerSGDStrategy(PartialStrategy):
     """
 
     strategy_name = "eager_sgd"
+    registry_entries = (
+        ("eager_sgd", "eager-SGD with partial allreduce, mode 'solo'", {"mode": "solo"}),
+        ("eager_sgd_majority", "eager-SGD with partial allreduce, mode 'majority'", {"mode": "majority"}),
+        ("eager_sgd_backup", "eager-SGD with partial allreduce, mode 'quorum', backup_workers=1",
+         {"mode": "quorum", "backup_workers": 1}),
+    )
 
     def __init__(
         self,
@@ -247,28 +252,3 @@ class EagerSGDStrategy(PartialStrategy):
             optimizer.zero_grad()
         result.release()
         return result.stats
-
-    # -------------------------------------------------------------- registry
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        entries: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
-            ("eager_sgd", "solo", "popen", {}),
-            ("eager_sgd_spawn", "solo", "spawn", {}),
-            ("eager_sgd_majority", "majority", "popen", {}),
-            ("eager_sgd_majority_spawn", "majority", "spawn", {}),
-            ("eager_sgd_backup", "quorum", "popen", {"backup_workers": 1}),
-            ("eager_sgd_backup_spawn", "quorum", "spawn", {"backup_workers": 1}),
-        )
-        for name, mode, start_method, options in entries:
-            if name in strategy_registry:  # idempotent: importing twice is fine
-                continue
-            described = "".join(f", {key}={value}" for key, value in options.items())
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"eager-SGD with partial allreduce, mode '{mode}'{described}, start_method '{start_method}'",
-                mode=mode,
-                start_method=start_method,
-                **options,
-            )

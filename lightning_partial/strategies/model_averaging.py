@@ -37,6 +37,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_partial.collectives import PartialAllreduceConfig, RoundStats
+from lightning_partial.collectives.checks import check_int
 from lightning_partial.collectives.engine import PartialAllreduce
 from lightning_partial.collectives.group_average import (
     LATE_POLICIES,
@@ -138,14 +139,8 @@ class ModelAveragingStrategy(PartialStrategy):
             raise ValueError(f"unknown order {order!r}: expected one of {', '.join(ORDERS)}")
         if stale not in STALE_POLICIES:
             raise ValueError(f"unknown stale policy {stale!r}: expected one of {', '.join(STALE_POLICIES)}")
-        if global_every is not None and (
-            isinstance(global_every, bool) or not isinstance(global_every, int) or global_every < 1
-        ):
-            raise ValueError(f"global_every (tau) must be an integer >= 1 or None, got {global_every!r}")
-        if measure_every is not None and (
-            isinstance(measure_every, bool) or not isinstance(measure_every, int) or measure_every < 1
-        ):
-            raise ValueError(f"measure_every must be an integer >= 1 or None, got {measure_every!r}")
+        check_int("global_every (tau)", global_every, optional=True)
+        check_int("measure_every", measure_every, optional=True)
         if schedule is not None and not (isinstance(schedule, Schedule) or callable(schedule)):
             raise ValueError(f"schedule must be a Schedule or a callable world_size -> Schedule, got {schedule!r}")
         self.partial_config = PartialAllreduceConfig(

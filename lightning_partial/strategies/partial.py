@@ -61,7 +61,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, ClassVar, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -86,7 +86,7 @@ from lightning_partial.collectives import (
     RoundStats,
     create_store,
 )
-from lightning_partial.collectives.config import check_timedelta
+from lightning_partial.collectives.checks import check_timedelta
 from lightning_partial.collectives.liveness import Heartbeat
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, gather_engine_states, resume_entry, state_for_rank
 
@@ -143,6 +143,10 @@ class PartialStrategy(ParallelStrategy):
     strategy_name = "partial"
     #: What the engines exchange: ``"gradients"`` or ``"models"`` (checked on resume).
     engine_family = "gradients"
+    #: The registry names of a concrete strategy: ``(name, description, constructor keyword
+    #: arguments)``; :meth:`register_strategies` adds each with ``start_method="popen"`` and a
+    #: ``<name>_spawn`` twin with ``start_method="spawn"``.
+    registry_entries: ClassVar[tuple[tuple[str, str, dict[str, Any]], ...]] = ()
     partial_config: PartialAllreduceConfig
 
     def __init__(
@@ -614,6 +618,19 @@ class PartialStrategy(ParallelStrategy):
         super().teardown()
 
     @override
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Registers ``registry_entries`` and their ``_spawn`` twins (idempotent: importing twice is fine)."""
+        for name, description, options in cls.registry_entries:
+            for suffix, start_method in (("", "popen"), ("_spawn", "spawn")):
+                if name + suffix in strategy_registry:
+                    continue
+                strategy_registry.register(
+                    name + suffix, cls, description=f"{description}, start_method '{start_method}'",
+                    start_method=start_method, **options,
+                )
+
     def __getstate__(self) -> dict[str, Any]:
         # A process group cannot be pickled (the spawn launcher pickles the strategy).
         state = super().__getstate__()

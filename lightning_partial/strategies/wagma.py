@@ -37,7 +37,6 @@ from typing import Literal, Optional
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from typing_extensions import override
 
@@ -63,6 +62,7 @@ class WAGMAStrategy(ModelAveragingStrategy):
     """
 
     strategy_name = "wagma_sgd"
+    registry_entries = (("wagma_sgd", "WAGMA-SGD group model averaging", {}),)
 
     def __init__(
         self,
@@ -107,14 +107,3 @@ class WAGMAStrategy(ModelAveragingStrategy):
     def default_schedule(self, world_size: int) -> Schedule:
         size = self.group_size if self.group_size is not None else default_group_size(world_size)
         return ButterflySchedule(world_size=world_size, group_size=size)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, start_method in (("wagma_sgd", "popen"), ("wagma_sgd_spawn", "spawn")):
-            if name in strategy_registry:  # idempotent
-                continue
-            strategy_registry.register(
-                name, cls, description=f"WAGMA-SGD group model averaging, start_method '{start_method}'",
-                start_method=start_method,
-            )

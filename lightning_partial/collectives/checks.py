@@ -1,0 +1,37 @@
+"""Option checks shared by the engines, the strategies, the callbacks and the recipes.
+
+Each raises ``ValueError`` with a message that names the option (and, where
+given, its owner), so that a bad value fails at construction, before any rank
+trains. Pure Python: importable without Lightning.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+
+def is_int_at_least(value: object, minimum: int) -> bool:
+    """Whether ``value`` is an ``int`` (not a ``bool``) ``>= minimum``."""
+    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
+
+
+def check_int(name: str, value: object, *, minimum: int = 1, optional: bool = False, owner: str = "") -> None:
+    """Raises unless ``value`` is an integer ``>= minimum`` (or ``None`` if ``optional``).
+
+    The message: ``"[owner: ]name must be an integer >= minimum[ or None], got value"``.
+    """
+    if optional and value is None:
+        return
+    if not is_int_at_least(value, minimum):
+        prefix = f"{owner}: " if owner else ""
+        raise ValueError(
+            f"{prefix}{name} must be an integer >= {minimum}{' or None' if optional else ''}, got {value!r}"
+        )
+
+
+def check_timedelta(name: str, value: object, *, optional: bool = False) -> None:
+    """Raises unless ``value`` is a positive ``timedelta`` (or ``None`` if ``optional``)."""
+    if optional and value is None:
+        return
+    if not isinstance(value, timedelta) or value.total_seconds() <= 0:
+        raise ValueError(f"{name} must be a positive datetime.timedelta{' or None' if optional else ''}, got {value!r}")
