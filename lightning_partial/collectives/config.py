@@ -9,8 +9,6 @@ from typing import Literal, Optional
 from lightning_partial.collectives.checks import check_int, check_timedelta
 from lightning_partial.collectives.staleness import StalenessWeights
 
-__all__ = ["PartialAllreduceConfig", "check_timedelta", "MODES", "LATE_POLICIES", "NORMALIZATIONS"]
-
 Mode = Literal["solo", "majority", "quorum", "sync"]
 LatePolicy = Literal["carry", "drop"]
 Normalize = Literal["world", "contributors", "sum"]
