@@ -1,7 +1,5 @@
 import logging
 import os
-import sys
-from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 logging.getLogger("lightning_partial").setLevel(logging.INFO)
@@ -11,7 +9,6 @@ import pytest
 # A test that runs a Trainer in this process leaves MASTER_PORT in os.environ
 # (LightningEnvironment writes the port it picked); every later subprocess would
 # inherit that port and collide with whatever holds it then.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `tests.scripts` from the repository root
 from tests.scripts.ports import RANK_VARIABLES  # noqa: E402
 
 
