@@ -12,6 +12,26 @@ import pytest
 from tests.scripts.ports import RANK_VARIABLES  # noqa: E402
 
 
+#: The pure-logic tier: modules whose tests start no ranks, no process group and no
+#: Trainer fit (`pytest -m "not slow"`, well under a minute). Every other module is
+#: marked ``slow``: a new test module joins the fast tier only by being named here,
+#: so a multi-rank test never slips into it.
+FAST_MODULES = frozenset({
+    "test_bad_input.py",
+    "test_benchmark_helpers.py",
+    "test_checkpoint_files.py",
+    "test_imports.py",
+    "test_staleness.py",
+    "test_units.py",
+})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name not in FAST_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _no_rendezvous_leaks():
     """Restores the rendezvous variables after each test, as they were before it."""

@@ -1,0 +1,99 @@
+"""The pure logic, without ranks: tensor layouts (the fast tier, see conftest.py).
+
+Nothing here builds a process group or starts a thread: these tests pin the
+pieces every round relies on, in well under a second each.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_partial.collectives.layout import TensorLayout
+
+
+def tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(3, 4, generator=g, dtype=torch.float64),
+        torch.arange(5, dtype=torch.int64),
+        torch.randn(2, generator=g, dtype=torch.float64),
+        torch.randn(1, 1, 2, generator=g, dtype=torch.float32),
+    ]
+
+
+def test_layout_groups_by_dtype_in_first_seen_order_and_round_trips_exactly():
+    ts = tensors()
+    layout = TensorLayout(ts, tail=3)
+    assert [b.dtype for b in layout.buckets] == [torch.float64, torch.int64, torch.float32]
+    assert [b.indices for b in layout.buckets] == [(0, 2), (1,), (3,)]
+    assert [b.capacity for b in layout.buckets] == [14 + 3, 5, 2]  # the tail rides in the first bucket only
+    flats = layout.flatten(ts)
+    layout.tail_of(flats).fill_(7.0)
+    back = layout.unflatten(flats)
+    assert len(back) == len(ts)
+    for a, b in zip(ts, back):
+        assert b.dtype == a.dtype and b.shape == a.shape and torch.equal(a, b)
+    # data() and from_data() never carry the tail: a checkpoint of the data restores it with a zero tail.
+    assert [d.numel() for d in layout.data(flats)] == [14, 5, 2]
+    restored = layout.from_data(layout.data(flats))
+    assert torch.equal(layout.tail_of(restored), torch.zeros(3, dtype=torch.float64))
+    for a, b in zip(ts, layout.unflatten(restored)):
+        assert torch.equal(a, b)
+
+
+def test_unflatten_gives_views_of_the_buffers():
+    ts = tensors()
+    layout = TensorLayout(ts)
+    flats = layout.flatten(ts)
+    layout.unflatten(flats)[2].fill_(-1.0)
+    assert torch.equal(flats[0][12:14], torch.tensor([-1.0, -1.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda ts: ts[:-1],
+        lambda ts: [ts[0].reshape(4, 3)] + ts[1:],
+        lambda ts: [ts[0].float()] + ts[1:],
+    ],
+    ids=["fewer tensors", "another shape", "another dtype"],
+)
+def test_a_changed_layout_is_refused_naming_rank_and_round(change):
+    ts = tensors()
+    layout = TensorLayout(ts)
+    layout.check(ts, rank=2, round_index=9)  # the same tensors pass
+    with pytest.raises(ValueError, match=r"rank 3, round 17: the tensors changed since the first round"):
+        layout.check(change(ts), rank=3, round_index=17)
+
+
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: TensorLayout([]), "at least one tensor"),
+        (lambda: TensorLayout([torch.zeros(2), [1.0]]), "tensor 1 is a list"),
+        (lambda: TensorLayout([torch.zeros(2)], tail=-1), "tail must be >= 0"),
+    ],
+    ids=["no tensors", "not a tensor", "negative tail"],
+)
+def test_bad_layouts_fail_at_construction(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_recycled_buffer_sets_are_reused_and_the_pool_is_bounded():
+    ts = tensors()
+    layout = TensorLayout(ts, max_free=2)
+    first = layout.flatten(ts)
+    assert layout.allocations == 1
+    layout.recycle(first)
+    second = layout.flatten(ts)
+    assert layout.allocations == 1 and all(a is b for a, b in zip(first, second))  # a pool hit allocates nothing
+    sets = [layout.zeros() for _ in range(3)]
+    assert layout.allocations == 4
+    assert all(torch.count_nonzero(f) == 0 for s in sets for f in s)
+    for s in sets + [second]:
+        layout.recycle(s)
+    for _ in range(3):  # at most max_free sets were kept: two hits, then a miss
+        layout.take()
+    assert layout.allocations == 5
