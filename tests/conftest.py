@@ -4,7 +4,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 logging.getLogger("lightning_partial").setLevel(logging.INFO)
 
-import pytest
+import pytest  # noqa: E402 - OMP_NUM_THREADS is set before anything imports torch
 
 # A test that runs a Trainer in this process leaves MASTER_PORT in os.environ
 # (LightningEnvironment writes the port it picked); every later subprocess would

@@ -62,7 +62,7 @@ def _process_entry(target: Callable[..., Any], rank: int, world_size: int, port:
         queue.put((rank, "ok", target(rank, world_size, port, *args)))
     except BaseException as err:  # noqa: BLE001
         queue.put((rank, "error", f"{type(err).__name__}: {err}"))
-        raise SystemExit(3)
+        raise SystemExit(3) from err
 
 
 def run_processes(

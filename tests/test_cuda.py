@@ -288,7 +288,7 @@ def _rank_entry(target: Callable[..., Any], rank: int, world_size: int, port: in
         q.put((rank, "ok", target(rank, world_size, port, *args)))
     except BaseException:  # noqa: BLE001
         q.put((rank, "error", traceback.format_exc()))
-        raise SystemExit(3)
+        raise SystemExit(3) from None
 
 
 def spawn_ranks(world_size: int, target: Callable[..., Any], *args: Any, timeout: float) -> dict[int, Any]:
