@@ -60,7 +60,7 @@ from typing import Any, Literal, Optional, cast
 import torch.distributed as dist
 
 from lightning_partial.collectives.checks import check_int
-from lightning_partial.collectives.config import PartialAllreduceConfig
+from lightning_partial.collectives.config import EngineBounds, PartialAllreduceConfig
 from lightning_partial.collectives.engine import PartialAllreduce, Tensors
 from lightning_partial.collectives.errors import PartialCollectiveTimeout
 from lightning_partial.collectives.results import RoundResult
@@ -72,7 +72,7 @@ TRIGGERS: tuple[str, ...] = ("samples", "time")
 
 
 @dataclass(frozen=True, kw_only=True)
-class DelayedConfig:
+class DelayedConfig(EngineBounds):
     """What starts a round of a :class:`DelayedAllreduce`, and when training ends.
 
     Args:
@@ -105,9 +105,6 @@ class DelayedConfig:
     epoch_samples: Optional[int] = None
     max_epochs: Optional[int] = None
     max_rounds: Optional[int] = None
-    timeout: timedelta = timedelta(minutes=30)
-    collective_timeout: timedelta = timedelta(seconds=60)
-    setup_timeout: Optional[timedelta] = None
     name: str = "abs_sgd"
 
     def __post_init__(self) -> None:
