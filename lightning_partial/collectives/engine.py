@@ -25,6 +25,7 @@ Threads and collectives (the contract):
 Round ``r`` is the round of training step ``r``: the caller of step ``r``
 receives the result of round ``r`` whether its own gradient made it in
 (fresh) or not (late; carried into a later round or dropped, by policy).
+
 Module map: this module holds the caller's side and the API; the
 communication thread's round runner and its hooks are
 :mod:`~lightning_partial.collectives.runner`, the process groups and the
@@ -62,6 +63,7 @@ __all__ = ["PartialAllreduce", "RoundResult", "Tensors"]
 log = logging.getLogger(__name__)
 
 Tensors = Union[Tensor, Sequence[Tensor]]
+
 
 def _is_plain_int(dtype: torch.dtype) -> bool:
     return dtype in (torch.int32, torch.int64)
