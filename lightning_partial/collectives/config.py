@@ -19,7 +19,37 @@ NORMALIZATIONS: tuple[str, ...] = ("world", "contributors", "sum")
 
 
 @dataclass(frozen=True, kw_only=True)
-class PartialAllreduceConfig:
+class EngineBounds:
+    """The bounds on an engine's waits, shared by every engine's configuration.
+
+    Its subclasses (:class:`PartialAllreduceConfig`,
+    :class:`~lightning_partial.collectives.delayed.DelayedConfig`) document the
+    fields; :meth:`check_bounds` validates them.
+    """
+
+    timeout: timedelta = timedelta(minutes=30)
+    collective_timeout: timedelta = timedelta(seconds=60)
+    setup_timeout: Optional[timedelta] = None
+
+    def check_bounds(self) -> None:
+        """Raises ``ValueError`` unless every bound is a positive ``timedelta`` (``setup_timeout``: or ``None``)."""
+        check_timedelta("timeout", self.timeout)
+        check_timedelta("collective_timeout", self.collective_timeout)
+        check_timedelta("setup_timeout", self.setup_timeout, optional=True)
+
+    @property
+    def rendezvous_timeout(self) -> timedelta:
+        """The bound on ``start()``'s rendezvous: ``setup_timeout``, else ``timeout``."""
+        return self.timeout if self.setup_timeout is None else self.setup_timeout
+
+    @property
+    def collective_bound(self) -> timedelta:
+        """The bound on a prompt round's collectives: ``collective_timeout``, at most ``timeout``."""
+        return min(self.collective_timeout, self.timeout)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartialAllreduceConfig(EngineBounds):
     """What a :class:`~lightning_partial.collectives.PartialAllreduce` does each round.
 
     Args:
@@ -88,9 +118,6 @@ class PartialAllreduceConfig:
     max_staleness: Optional[int] = None
     staleness: StalenessWeights = StalenessWeights()
     seed: int = 0
-    timeout: timedelta = timedelta(minutes=30)
-    collective_timeout: timedelta = timedelta(seconds=60)
-    setup_timeout: Optional[timedelta] = None
     name: str = "partial"
 
     def __post_init__(self) -> None:
@@ -123,21 +150,9 @@ class PartialAllreduceConfig:
             raise ValueError(f"staleness must be a StalenessWeights, got {type(self.staleness).__name__}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        check_timedelta("timeout", self.timeout)
-        check_timedelta("collective_timeout", self.collective_timeout)
-        check_timedelta("setup_timeout", self.setup_timeout, optional=True)
+        self.check_bounds()
         if not self.name or "/" in self.name:
             raise ValueError(f"name must be a non-empty string without '/', got {self.name!r}")
-
-    @property
-    def rendezvous_timeout(self) -> timedelta:
-        """The bound on ``start()``'s rendezvous: ``setup_timeout``, else ``timeout``."""
-        return self.timeout if self.setup_timeout is None else self.setup_timeout
-
-    @property
-    def collective_bound(self) -> timedelta:
-        """The bound on a prompt round's collectives: ``collective_timeout``, at most ``timeout``."""
-        return min(self.collective_timeout, self.timeout)
 
     def validate_world(self, world_size: int) -> None:
         """Checks what depends on the number of ranks ``P``; raises ``ValueError``."""

@@ -55,15 +55,16 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, cast
 
-import torch
 import torch.distributed as dist
 
 from lightning_partial.collectives.checks import check_int
-from lightning_partial.collectives.config import PartialAllreduceConfig
-from lightning_partial.collectives.engine import PartialAllreduce, RoundResult, Tensors, _Deposit
+from lightning_partial.collectives.config import EngineBounds, PartialAllreduceConfig
+from lightning_partial.collectives.engine import PartialAllreduce, Tensors
 from lightning_partial.collectives.errors import PartialCollectiveTimeout
+from lightning_partial.collectives.results import RoundResult
+from lightning_partial.collectives.rounds import Deposit
 from lightning_partial.collectives.stats import RoundStats
 
 Trigger = Literal["samples", "time"]
@@ -71,7 +72,7 @@ TRIGGERS: tuple[str, ...] = ("samples", "time")
 
 
 @dataclass(frozen=True, kw_only=True)
-class DelayedConfig:
+class DelayedConfig(EngineBounds):
     """What starts a round of a :class:`DelayedAllreduce`, and when training ends.
 
     Args:
@@ -104,9 +105,6 @@ class DelayedConfig:
     epoch_samples: Optional[int] = None
     max_epochs: Optional[int] = None
     max_rounds: Optional[int] = None
-    timeout: timedelta = timedelta(minutes=30)
-    collective_timeout: timedelta = timedelta(seconds=60)
-    setup_timeout: Optional[timedelta] = None
     name: str = "abs_sgd"
 
     def __post_init__(self) -> None:
@@ -137,8 +135,23 @@ class DelayedConfig:
         )
 
 
+@dataclass
+class SampleDeposit(Deposit):
+    """Micro-batches waiting in this rank's send buffer: the sum of ``samples`` samples' gradients."""
+
+    samples: int = 0
+    first_step: Optional[int] = None  # the round that took the oldest micro-batch in it
+
+
 class DelayedAllreduce(PartialAllreduce):
     """Delayed sample-weighted allreduce (see the module docstring for the rules).
+
+    Built on :class:`PartialAllreduce`'s rounds through its documented protected
+    API and round hooks: it activates rounds itself (:meth:`_await_activation`,
+    :meth:`_after_round`), describes its deposits by their samples, and ends with
+    :meth:`finish` at a round every rank agreed on (which runs the base class's
+    final round, :meth:`_flush`); ``flush()``, which ends at the caller's next
+    step, has no meaning here and raises.
 
     Example::
 
@@ -224,21 +237,20 @@ class DelayedAllreduce(PartialAllreduce):
         with self._cond:
             self._raise_if_failed(q)
             q = self._snapshotted + 1
-            if self._pending:
-                d = self._pending[0]
+            deposits = self._deposits()
+            if deposits:
+                d = deposits[0]
                 for acc, f in zip(d.flats, flats):
                     acc.add_(f)
                 self.layout.recycle(flats)
                 d.samples += samples
                 d.step = q
             else:
-                d = _Deposit(flats, q, samples=samples, first_step=q)
+                d = SampleDeposit(flats, q, samples=samples, first_step=q)
                 self._pending.append(d)
-            if self._cuda_device is not None:  # pragma: no cover - needs GPUs
-                d.ready = torch.cuda.Event()
-                d.ready.record(torch.cuda.current_stream(self._cuda_device))
+            self._record_ready(d)
             self.deposit_round = q
-            pending = sum(p.samples for p in self._pending)
+            pending = sum(p.samples for p in deposits)  # the send buffer itself: d is in it
             triggered = False
             if not self._requested and self._trigger_met(pending):
                 self._requested = True
@@ -320,14 +332,15 @@ class DelayedAllreduce(PartialAllreduce):
                     f"rank {self.rank}: finish({round_index}) after round {self._completed} completed and round "
                     f"{self._snapshotted} was taken: pause() and drain({round_index}) first"
                 )
-            self._step = round_index + 1
-        last = super().flush()
+        self._check_running("flush")
+        last = self._flush(None, step=round_index + 1)
         with self._cond:
             self._global_samples += int(last.stats.contributions)  # _after_round does not run for the flush
         due = self._take_due(limit=round_index)
         return due + [last]
 
     def flush(self, tensors: Optional[Tensors] = None) -> RoundResult:
+        """Not available: a :class:`DelayedAllreduce` ends with :meth:`finish` at an agreed round."""
         raise RuntimeError(f"rank {self.rank}: DelayedAllreduce ends with finish(), not flush()")
 
     # ------------------------------------------------------------- checkpoint
@@ -338,32 +351,31 @@ class DelayedAllreduce(PartialAllreduce):
         unapplied results were written on the engine's side stream: each is read only
         after its round's completion event (bounded by the timeout), never half-written.
         """
-        with self._cond:
-            events = sorted((r, e) for r, e in self._done_events.items() if r > self._handed)
-        for r, event in events:  # pragma: no cover - needs GPUs
-            self._await_gpu(r, f"round {r}'s result (for a checkpoint)", event)
+        self._await_published(self._handed, "for a checkpoint")
         state = super().state_dict()
         with self._cond:
+            deposits = self._deposits()
             state["step"] = self._snapshotted + 1
-            state["pending_samples"] = [d.samples for d in self._pending]
-            state["pending_first"] = [d.first_step for d in self._pending]
-            unapplied = [r for r in sorted(self._results) if r > self._handed]
+            state["pending_samples"] = [d.samples for d in deposits]
+            state["pending_first"] = [d.first_step for d in deposits]
             state["unapplied"] = [
-                {"round": r, "flats": [f.detach().clone().cpu() for f in self.layout.data(self._results[r].buffers)],  # type: ignore[union-attr]
-                 "counts": list(self._results[r].stats.counts),  # type: ignore[union-attr]
-                 "divisor": self._results[r].stats.divisor}  # type: ignore[union-attr]
-                for r in unapplied
-            ] + [{"round": x.round_index, "flats": [f.detach().clone().cpu() for f in self.layout.data(x.buffers)],
-                  "counts": list(x.stats.counts), "divisor": x.stats.divisor} for x in self._restored]
+                {"round": x.round_index, "flats": [f.detach().clone().cpu() for f in self.layout.data(x.buffers)],
+                 "counts": list(x.stats.counts), "divisor": x.stats.divisor}
+                for x in self._published(self._handed) + self._restored
+            ]
             state["global_samples"] = self._global_samples
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        for d, n, first in zip(self._pending, state.get("pending_samples", []), state.get("pending_first", [])):
-            d.samples, d.first_step = int(n), first
+        known = list(zip(state.get("pending_samples", []), state.get("pending_first", [])))
+        self._pending = [
+            SampleDeposit(d.flats, d.step, samples=int(known[i][0]), first_step=known[i][1]) if i < len(known)
+            else SampleDeposit(d.flats, d.step)
+            for i, d in enumerate(self._pending)
+        ]
         self._global_samples = int(state.get("global_samples", 0))
-        self._handed = self._completed = self._step - 1
+        self._handed = self._completed = self.step - 1
         restored = []
         for item in sorted(state.get("unapplied", []), key=lambda u: u["round"]):
             flats = self.layout.from_data(item["flats"])
@@ -386,6 +398,10 @@ class DelayedAllreduce(PartialAllreduce):
         return super()._divisor(total)
 
     # ------------------------------------------------------ caller's thread
+    def _deposits(self) -> list[SampleDeposit]:
+        """Under ``self._cond``: the send buffer (deposit() and load_state_dict() only put SampleDeposits there)."""
+        return cast(list[SampleDeposit], self._pending)
+
     def _trigger_met(self, pending: int) -> bool:
         if self._final_round is not None or pending < 1:
             return False
@@ -398,23 +414,13 @@ class DelayedAllreduce(PartialAllreduce):
         due, self._restored = self._restored, []
         with self._cond:
             rounds = list(range(self._handed + 1, limit + 1))
+            published = {x.round_index for x in self._published(self._handed)}
             for r in rounds:
-                if r not in self._results:
+                if r not in published:
                     raise RuntimeError(f"rank {self.rank}: round {r} has no result to hand over")
-            taken = [self._results.pop(r) for r in rounds]
             if rounds:
                 self._handed = rounds[-1]
-        for r, result in zip(rounds, taken):
-            if isinstance(result, BaseException):
-                raise result
-            if self._cuda_device is not None:  # pragma: no cover - needs GPUs
-                stream = torch.cuda.current_stream(self._cuda_device)
-                with self._cond:
-                    event = self._done_events.pop(r)
-                stream.wait_event(event)
-                for t in result.tensors:
-                    t.record_stream(stream)
-            due.append(result)
+        due.extend(self._take_result(r) for r in rounds)
         return due
 
     # ---------------------------------------------------- communication thread
@@ -427,11 +433,11 @@ class DelayedAllreduce(PartialAllreduce):
         while True:
             with self._activation_lock:
                 with self._cond:
-                    if self._closing or self._flush_round == r or r in self._activated_here:
-                        return  # r in _activated_here: _after_round activated it already
+                    if self._no_activation_needed(r) or self._activation_claimed(r):
+                        return  # claimed already: _after_round activated it
                     activate = self._may_activate(r)
                     if activate:
-                        self._activated_here.add(r)
+                        self._claim_activation(r)
                 if activate:
                     self._control.activate_from_comm(r)
                     return
@@ -443,7 +449,7 @@ class DelayedAllreduce(PartialAllreduce):
                 )
             self._control.wait_activated(r, timedelta(seconds=remaining))
             with self._cond:
-                if self._closing or self._flush_round == r:
+                if self._no_activation_needed(r):
                     return
             if self._control.activation_value(r) != "woken":
                 return  # another rank activated it
@@ -454,14 +460,18 @@ class DelayedAllreduce(PartialAllreduce):
                 # until resume() or another rank's activation (rare: only around a checkpoint).
                 time.sleep(0.005)
 
-    def _describe_contribution(self, deposits: list[_Deposit]) -> tuple[int, int, int]:
+    def _on_snapshot(self, r: int, deposits: list[Deposit]) -> None:
         # Under self._cond, at the snapshot: the request (if any) is served by this round.
         self._requested = False
         self._contributed_at = time.monotonic()
+
+    def _describe_contribution(self, deposits: list[Deposit]) -> tuple[int, int, int]:
+        """Header columns: the samples summed, the newest step, the oldest micro-batch's round."""
         if not deposits:
             return 0, -1, -1
-        first = [d.first_step if d.first_step is not None else d.step for d in deposits]
-        return sum(d.samples for d in deposits), max(d.step for d in deposits), min(first)
+        taken = cast(list[SampleDeposit], deposits)
+        first = [d.first_step if d.first_step is not None else d.step for d in taken]
+        return sum(d.samples for d in taken), max(d.step for d in taken), min(first)
 
     def _after_round(self, r: int, result: RoundResult) -> None:
         with self._activation_lock:
@@ -476,7 +486,7 @@ class DelayedAllreduce(PartialAllreduce):
                     self._final_round = r
                 activate = self._may_activate(r + 1)
                 if activate:
-                    self._activated_here.add(r + 1)
+                    self._claim_activation(r + 1)
                 self._completed = r
                 self._cond.notify_all()
             if activate:

@@ -52,16 +52,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Literal, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_partial.collectives import header
 from lightning_partial.collectives.checks import check_int
 from lightning_partial.collectives.config import PartialAllreduceConfig
-from lightning_partial.collectives.engine import _COUNT, PartialAllreduce, RoundResult, Tensors, _Deposit, _Issued
+from lightning_partial.collectives.engine import PartialAllreduce, Tensors
+from lightning_partial.collectives.results import RoundResult
+from lightning_partial.collectives.rounds import DataOutcome, DataRound, Deposit, Issued, RoundContext
 from lightning_partial.collectives.schedules import Schedule
+from lightning_partial.collectives.stats import RoundStats
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +76,50 @@ LatePolicy = Literal["damp", "carry", "drop"]
 LATE_POLICIES: tuple[str, ...] = ("damp", "carry", "drop")
 StalePolicy = Literal["skip", "resend"]
 STALE_POLICIES: tuple[str, ...] = ("skip", "resend")
+
+
+@dataclass(frozen=True, eq=False)
+class GroupRoundResult(RoundResult):
+    """A :class:`GroupAverage` round's result: the group sum, and what this rank contributed to it.
+
+    Attributes:
+        sent: this rank's own contribution to the round (read-only views), which
+            :func:`apply_average` pulls the model from; valid until :meth:`release`.
+        included: whether it is in the group sum (``stale="skip"`` leaves out a
+            model already averaged).
+    """
+
+    sent: list[Tensor] = dataclasses.field(default_factory=list, repr=False)
+    included: bool = True
+    # Called once by release(): the engine may then reuse the buffers ``sent`` shows.
+    on_release: Optional[Callable[[], None]] = dataclasses.field(default=None, repr=False, compare=False)
+
+    def _on_release(self) -> None:
+        if self.on_release is not None:
+            self.on_release()
+
+
+@dataclass
+class _Exchange(DataRound):
+    """The data collectives of a group round (``received`` from each peer), or of a global one (``sums``)."""
+
+    group: tuple[int, ...] = ()
+    received: dict[int, list[Tensor]] = dataclasses.field(default_factory=dict)
+    sums: list[Tensor] = dataclasses.field(default_factory=list)
+
+
+@dataclass
+class _GroupOutcome(DataOutcome):
+    """A group round's outcome: its ``RoundStats`` group fields, and whether this rank is in the sum."""
+
+    included: bool = True
+    group: tuple[int, ...] = ()
+    group_id: int = -1
+    averaged: tuple[int, ...] = ()
+    consensus: Optional[float] = None
+
+    def stats_fields(self) -> dict[str, Any]:
+        return {"group": self.group, "group_id": self.group_id, "averaged": self.averaged, "consensus": self.consensus}
 
 
 class GroupAverage(PartialAllreduce):
@@ -151,8 +200,6 @@ class GroupAverage(PartialAllreduce):
             # Once, at construction: the side stream may read this buffer before any event exists.
             torch.cuda.current_stream(self._cuda_device).synchronize()
         self._last_sent_step = -1
-        self._round_sent: list[Tensor] = self._last_sent
-        self._round_included = True
 
     def start(self) -> "GroupAverage":
         self._last_sent_step = self._step - 1  # the model the engine was built from: after step - 1
@@ -197,13 +244,15 @@ class GroupAverage(PartialAllreduce):
         super().load_state_dict({**state, "pending": [], "pending_steps": []})
 
     # ------------------------------------------------------------ hooks
-    def _describe_contribution(self, deposits: list[_Deposit]) -> tuple[int, int, int]:
+    def _describe_contribution(self, deposits: list[Deposit]) -> tuple[int, int, int]:
         # One model per rank and round; its step says how stale it is. Count 0: a
         # model already contributed, left out of the sum with stale="skip".
         step = max(d.step for d in deposits) if deposits else self._last_sent_step
         return int(bool(deposits) or self.stale == "resend"), step, step
 
-    def _send_buffer(self, deposits: list[_Deposit]) -> list[Tensor]:
+    def _send_buffer(self, ctx: RoundContext) -> list[Tensor]:
+        """The newest model deposited, else the model last sent; older deposits are superseded."""
+        deposits = ctx.deposits
         if deposits:
             newest = max(deposits, key=lambda d: d.step)
             with self._side_stream():
@@ -223,13 +272,14 @@ class GroupAverage(PartialAllreduce):
             if unused:
                 with self._side_stream():  # after the side stream's last use of it (earlier rounds)
                     self.layout.recycle(old)
-        self._round_sent = self._last_sent
         return self._last_sent
 
-    def _start_data(self, r: int, flats: list[Tensor], *, global_round: bool) -> tuple[list[tuple[Any, str]], Any]:
-        if global_round:
+    def _start_data(self, ctx: RoundContext, flats: list[Tensor]) -> _Exchange:
+        """A global round: an allreduce of a copy of the model on the data group; else the group's send/recv."""
+        r = ctx.index
+        if ctx.global_round:
             sums = self._copy(flats)  # the send buffer stays intact: it is the round's ``sent``
-            return [(self._start(self._data_pg, s, r, "global average"), "global average") for s in sums], sums
+            return _Exchange([self._start(self._data_pg, s, r, "global average") for s in sums], sums=sums)
         group = self.schedule.group_of(r, self.rank)
         peers = [m for m in group if m != self.rank]
         received: dict[int, list[Tensor]] = {}
@@ -237,8 +287,9 @@ class GroupAverage(PartialAllreduce):
             for peer in peers:
                 received[peer] = self.layout.take()  # pooled: no allocation per round and peer
         if self.backend == "nccl":  # pragma: no cover - needs GPUs
-            return self._exchange_batched(r, flats, received), (group, received)
-        works: list[tuple[Any, str]] = []
+            works = [issued for issued, _ in self._exchange_batched(r, flats, received)]
+            return _Exchange(works, group=tuple(group), received=received)
+        works = []
         # Pairs in one global order; in each pair the lower rank sends first.
         for a in group:
             for b in group:
@@ -248,13 +299,12 @@ class GroupAverage(PartialAllreduce):
                 ops = ("send", "recv") if self.rank == a else ("recv", "send")
                 for op in ops:
                     for tag, f in enumerate(flats):
-                        what = f"group {op} with rank {peer}"
-                        works.append((self._p2p(op, f if op == "send" else received[peer][tag], peer, tag, r), what))
-        return works, (group, received)
+                        works.append(self._p2p(op, f if op == "send" else received[peer][tag], peer, tag, r))
+        return _Exchange(works, group=tuple(group), received=received)
 
     def _exchange_batched(
         self, r: int, flats: list[Tensor], received: dict[int, list[Tensor]]
-    ) -> list[tuple[Any, str]]:  # pragma: no cover - needs GPUs
+    ) -> list[tuple[Issued, str]]:  # pragma: no cover - needs GPUs
         """NCCL: the round's sends and receives as one ``batch_isend_irecv`` on the data group's communicator.
 
         Batched point-to-point calls run in one NCCL group call on the group's own
@@ -274,16 +324,18 @@ class GroupAverage(PartialAllreduce):
                 works = dist.batch_isend_irecv(ops)
         except Exception as err:
             raise self._collective_error(err, r, what) from err
-        return [(_Issued(w, stream_ordered=True), what) for w in works]
+        return [(Issued(w, what, stream_ordered=True), what) for w in works]
 
-    def _p2p(self, op: str, tensor: Tensor, peer: int, tag: int, r: int) -> _Issued:
+    def _p2p(self, op: str, tensor: Tensor, peer: int, tag: int, r: int) -> Issued:
+        """A send or receive on the data group (the side stream for CUDA tensors)."""
+        what = f"group {op} with rank {peer}"
         try:
             with self._side_stream():
                 if op == "send":
-                    return _Issued(self._data_pg.send([tensor], peer, tag))
-                return _Issued(self._data_pg.recv([tensor], peer, tag))
+                    return Issued(self._data_pg.send([tensor], peer, tag), what)
+                return Issued(self._data_pg.recv([tensor], peer, tag), what)
         except Exception as err:
-            raise self._collective_error(err, r, f"group {op} with rank {peer}") from err
+            raise self._collective_error(err, r, what) from err
 
     def _copy(self, flats: list[Tensor]) -> list[Tensor]:
         """A pooled copy of ``flats``, made on the side stream."""
@@ -293,19 +345,19 @@ class GroupAverage(PartialAllreduce):
                 o.copy_(f)
         return out
 
-    def _finish_data(
-        self, r: int, flats: list[Tensor], context: Any, header: Tensor, *, global_round: bool
-    ) -> tuple[list[Tensor], float, dict[str, Any]]:
-        if global_round:
-            sums: list[Tensor] = context
-            consensus = self._consensus(r, flats, sums)
-            self._round_included = True
+    def _finish_data(self, ctx: RoundContext, flats: list[Tensor], data: DataRound, summed: Tensor) -> _GroupOutcome:
+        """The group's sum (or the global one), this rank's part in it, and the consensus distance if measured."""
+        assert isinstance(data, _Exchange)
+        r = ctx.index
+        if ctx.global_round:
+            consensus = self._consensus(r, flats, data.sums)
             everybody = tuple(range(self.world_size))
-            return sums, 1.0, {"group": everybody, "group_id": -1, "averaged": everybody, "consensus": consensus}
-        group, received = context
-        averaged = [m for m in group if header[m, _COUNT] > 0]
-        self._round_included = self.rank in averaged
-        parts = [flats if m == self.rank else received[m] for m in averaged] if self._round_included else [flats]
+            return _GroupOutcome(data.sums, 1.0, included=True, group=everybody, group_id=-1, averaged=everybody,
+                                 consensus=consensus)
+        group, received = data.group, data.received
+        averaged = tuple(m for m in group if summed[m, header.COUNT] > 0)
+        included = self.rank in averaged
+        parts = [flats if m == self.rank else received[m] for m in averaged] if included else [flats]
         # Included: the members' sum; otherwise this rank's model was averaged before and it sits
         # this round out with a copy of it.
         sums = self._copy(parts[0])
@@ -319,23 +371,19 @@ class GroupAverage(PartialAllreduce):
         if self.measure_every is not None and (r + 1) % self.measure_every == 0:
             totals = self._copy(flats)
             for t in totals:
-                self._finish(self._start(self._data_pg, t, r, "consensus"), r, "consensus")
+                self._finish(self._start(self._data_pg, t, r, "consensus"), r)
             consensus = self._consensus(r, flats, totals)
             with self._side_stream():
                 self.layout.recycle(totals)
-        extra = {
-            "group": tuple(group),
-            "group_id": self.schedule.group_id(r, self.rank),
-            "averaged": tuple(averaged),
-            "consensus": consensus,
-        }
-        return sums, 1.0, extra
+        return _GroupOutcome(sums, 1.0, included=included, group=group, group_id=self.schedule.group_id(r, self.rank),
+                             averaged=averaged, consensus=consensus)
 
     def _consensus(self, r: int, flats: list[Tensor], totals: list[Tensor]) -> float:
         """``mean_i ||w_i - mean||^2`` from this rank's model and the global sums (one scalar allreduce).
 
         In float64, a chunk at a time: at most two float64 chunks exist besides the
-        buffers, never float64 copies of the whole model.
+        buffers, never float64 copies of the whole model. The scalar travels on the
+        gloo header group (a host tensor).
         """
         chunk = 1 << 20
         with self._side_stream():
@@ -348,16 +396,17 @@ class GroupAverage(PartialAllreduce):
         self._await_gpu(r, "the consensus distance's allreduce")  # bounded, before the host read
         own = float(acc)
         value = torch.tensor([own], dtype=torch.float64)
-        self._finish(self._start(self._header_pg, value, r, "consensus distance"), r, "consensus distance")
+        self._finish(self._start(self._header_pg, value, r, "consensus distance"), r)
         return float(value.item()) / self.world_size
 
-    def _reduce(self, r: int, header: Tensor, deposits: list[_Deposit], *, began: float, activated: float) -> RoundResult:
-        result = super()._reduce(r, header, deposits, began=began, activated=activated)
-        sent = self._round_sent
+    def _result(self, ctx: RoundContext, sent: list[Tensor], outcome: DataOutcome, stats: RoundStats) -> RoundResult:
+        """A :class:`GroupRoundResult`: ``sent`` stays unrecycled until the caller releases the result."""
+        assert isinstance(outcome, _GroupOutcome)
         with self._cond:
             self._sent_users[id(sent)] = self._sent_users.get(id(sent), 0) + 1
-        return dataclasses.replace(
-            result, sent=self.layout.unflatten(sent), included=self._round_included,
+        return GroupRoundResult(
+            round_index=ctx.index, tensors=self.layout.unflatten(outcome.flats), stats=stats, buffers=outcome.flats,
+            layout=self.layout, sent=self.layout.unflatten(sent), included=outcome.included,
             on_release=lambda: self._release_sent(sent),
         )
 
@@ -443,7 +492,7 @@ def apply_average(
     if late not in LATE_POLICIES:
         raise ValueError(f"unknown late policy {late!r}: expected one of {', '.join(LATE_POLICIES)}")
     group = result.stats.group
-    if group is None or not result.sent:
+    if group is None or not isinstance(result, GroupRoundResult) or not result.sent:
         raise ValueError("apply_average() needs a GroupAverage round result")
     if not result.included:
         return
