@@ -18,6 +18,10 @@ def register_strategies() -> None:
     ABSSGDStrategy.register_strategies(StrategyRegistry)
 
 
+# Importing the strategies registers them (as `import lightning_partial` does once Lightning is imported).
+register_strategies()
+
+
 __all__ = [
     "ABSSGDStrategy",
     "DSSyncStrategy",
