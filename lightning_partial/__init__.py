@@ -66,4 +66,5 @@ __all__ = [
     "RoundStats",
     "WAGMAStrategy",
     "__version__",
+    "register_strategies",
 ]

@@ -36,6 +36,11 @@ _lock = threading.Lock()
 
 
 def _register() -> None:
+    strategies = sys.modules.get("lightning_partial.strategies")
+    if strategies is not None and not hasattr(strategies, "register_strategies"):
+        # Lightning imported by lightning_partial.strategies itself (its first access):
+        # that module registers at the end of its own import.
+        return
     from lightning_partial.strategies import register_strategies
 
     register_strategies()

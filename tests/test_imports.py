@@ -24,6 +24,7 @@ def run_python(code: str) -> None:
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "could not register" not in done.stderr, done.stderr
 
 
 def test_the_engine_imports_without_lightning() -> None:

@@ -25,20 +25,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 import lightning.pytorch as pl
 from lightning_partial.collectives import PartialAllreduceConfig, RoundStats
 from lightning_partial.collectives.checks import check_int
-from lightning_partial.collectives.engine import PartialAllreduce
 from lightning_partial.collectives.group_average import (
     LATE_POLICIES,
     NORMALIZATIONS,
@@ -47,15 +43,15 @@ from lightning_partial.collectives.group_average import (
     apply_average,
 )
 from lightning_partial.collectives.schedules import Schedule
+from lightning_partial.strategies.options import ScheduleSource, StrategyOptions
 from lightning_partial.strategies.partial import PartialStrategy
 
 log = logging.getLogger(__name__)
 
-ScheduleSource = Union[Schedule, Callable[[int], Schedule]]
 ORDERS: tuple[str, ...] = ("step_then_average", "average_then_step")
 
 
-class ModelAveragingStrategy(PartialStrategy):
+class ModelAveragingStrategy(PartialStrategy[GroupAverage]):
     """Base of :class:`WAGMAStrategy` and :class:`DSSyncStrategy`; subclasses build the default schedule.
 
     Args:
@@ -98,11 +94,6 @@ class ModelAveragingStrategy(PartialStrategy):
 
     def __init__(
         self,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
         *,
         mode: str = "solo",
         quorum: Optional[int] = None,
@@ -115,22 +106,9 @@ class ModelAveragingStrategy(PartialStrategy):
         measure_every: Optional[int] = None,
         seed: int = 0,
         schedule: Optional[ScheduleSource] = None,
-        timeout: timedelta = timedelta(minutes=30),
-        collective_timeout: timedelta = timedelta(seconds=60),
-        process_group_backend: Optional[str] = None,
-        start_method: Literal["popen", "spawn"] = "popen",
+        **kwargs: Unpack[StrategyOptions],
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            timeout=timeout,
-            collective_timeout=collective_timeout,
-            process_group_backend=process_group_backend,
-            start_method=start_method,
-        )
+        super().__init__(**kwargs)
         if normalize not in NORMALIZATIONS:
             raise ValueError(f"unknown normalize {normalize!r}: expected one of {', '.join(NORMALIZATIONS)}")
         if late not in LATE_POLICIES:
@@ -151,8 +129,8 @@ class ModelAveragingStrategy(PartialStrategy):
             sync_every=global_every,
             max_staleness=max_staleness,
             seed=seed,
-            timeout=timeout,
-            collective_timeout=collective_timeout,
+            timeout=self._timeout,
+            collective_timeout=self._collective_timeout,
             name=self.strategy_name,
         )
         self.normalize = normalize
@@ -192,14 +170,19 @@ class ModelAveragingStrategy(PartialStrategy):
         schedule.check_world(world_size)
         return schedule
 
+    @property
+    @override
+    def synchronous(self) -> bool:
+        return self.partial_config.mode == "sync"
+
     @override
     def validate_world(self, world_size: int) -> None:
-        super().validate_world(world_size)
+        self.partial_config.validate_world(world_size)
         self.schedule = self.build_schedule(world_size)
 
     # ------------------------------------------------------------- engines
     @override
-    def _build_engine(self, index: int, params: list[torch.nn.Parameter], store: dist.Store) -> PartialAllreduce:
+    def _build_engine(self, index: int, params: list[torch.nn.Parameter], store: dist.Store) -> GroupAverage:
         if self.schedule is None:
             self.schedule = self.build_schedule(self.world_size)
         return GroupAverage(
@@ -247,7 +230,7 @@ class ModelAveragingStrategy(PartialStrategy):
         self._record(index, result.stats)
 
     @override
-    def _final_round(self, index: int, engine: PartialAllreduce) -> RoundStats:
+    def _final_round(self, index: int, engine: GroupAverage) -> RoundStats:
         """The final global average of the parameters: every replica ends identical."""
         params = [p.detach() for p in self._params[index]]
         result = engine.flush(params)
