@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from collections.abc import Sized
-from typing import Any, Callable, Optional, Union, cast
+from typing import Any, Callable, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -56,14 +56,14 @@ from typing_extensions import Unpack, override
 
 import lightning.pytorch as pl
 from lightning_partial import _compat
-from lightning_partial.collectives import RoundStats
+from lightning_partial.collectives import RoundResult, RoundStats
 from lightning_partial.collectives.delayed import TRIGGERS, DelayedAllreduce, DelayedConfig, Trigger
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.data import ElasticBatchSampler
 from lightning_partial.strategies import compensation
 from lightning_partial.strategies.checkpoint import state_for_rank
 from lightning_partial.strategies.options import StrategyOptions
-from lightning_partial.strategies.partial import PartialStrategy
+from lightning_partial.strategies.partial import PartialStrategy, StepModel
 
 log = logging.getLogger(__name__)
 
@@ -314,22 +314,13 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             _compat.mark_last_batch(trainer)
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
-        **kwargs: Any,
-    ) -> Any:
+    def _engine_step(self, index: int, optimizer: Optimizer, closure: Callable[[], Any], model: StepModel,
+                     kwargs: dict[str, Any]) -> Any:
         """The micro-batch (closure), its deposit, then one optimizer step per round result now due."""
-        index = self._optimizer_index(optimizer)
-        engine = self._engines.get(index)
-        if engine is None:  # not fitting, or no trainable parameter
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
         output = closure()
         params = self._params[index]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        results = engine.deposit(grads, samples=max(self._batch_samples, 1))
+        results = self._engines[index].deposit(grads, samples=max(self._batch_samples, 1))
         self._apply(index, optimizer, results, model)
         _compat.add_optimizer_steps(self._trainer, len(results) - 1)
         if not results:
@@ -338,7 +329,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         return output
 
     def _apply(
-        self, index: int, optimizer: Optimizer, results: list[Any], model: Any = None, *, step_schedulers: bool = True
+        self, index: int, optimizer: Optimizer, results: list[RoundResult], model: StepModel = None, *,
+        step_schedulers: bool = True,
     ) -> None:
         module = model if isinstance(model, pl.LightningModule) else self.lightning_module
         # Every result is applied one round after the micro-batches it sums were computed.

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConf
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.strategies import compensation
 from lightning_partial.strategies.options import StrategyOptions
-from lightning_partial.strategies.partial import PartialStrategy
+from lightning_partial.strategies.partial import PartialStrategy, StepModel
 
 log = logging.getLogger(__name__)
 
@@ -165,23 +165,16 @@ class EagerSGDStrategy(PartialStrategy[PartialAllreduce]):
 
     # ------------------------------------------------------------- training
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
-        **kwargs: Any,
-    ) -> Any:
+    def _engine_step(self, index: int, optimizer: Optimizer, closure: Callable[[], Any], model: StepModel,
+                     kwargs: dict[str, Any]) -> Any:
         """Runs the closure, synchronises the gradients, then clipping and the step."""
-        index = self._optimizer_index(optimizer)
 
         def closure_then_sync() -> Any:
             result = closure()
-            if index in self._engines:
-                self._synchronise(index)
+            self._synchronise(index)
             return result
 
-        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        return self._lightning_step(optimizer, closure_then_sync, model, kwargs)
 
     @staticmethod
     def _presence(params: list[torch.nn.Parameter], present: list[bool]) -> torch.Tensor:

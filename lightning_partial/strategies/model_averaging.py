@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
-import lightning.pytorch as pl
 from lightning_partial.collectives import PartialAllreduceConfig, RoundStats
 from lightning_partial.collectives.checks import check_int
 from lightning_partial.collectives.group_average import (
@@ -44,7 +43,7 @@ from lightning_partial.collectives.group_average import (
 )
 from lightning_partial.collectives.schedules import Schedule
 from lightning_partial.strategies.options import ScheduleSource, StrategyOptions
-from lightning_partial.strategies.partial import PartialStrategy
+from lightning_partial.strategies.partial import PartialStrategy, StepModel
 
 log = logging.getLogger(__name__)
 
@@ -197,17 +196,9 @@ class ModelAveragingStrategy(PartialStrategy[GroupAverage]):
         )
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
-        **kwargs: Any,
-    ) -> Any:
+    def _engine_step(self, index: int, optimizer: Optimizer, closure: Callable[[], Any], model: StepModel,
+                     kwargs: dict[str, Any]) -> Any:
         """The local step on local gradients and this round's group average of the parameters, in ``order``."""
-        index = self._optimizer_index(optimizer)
-        if index not in self._engines:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.order == "average_then_step":
 
             def closure_then_average() -> Any:
@@ -217,8 +208,8 @@ class ModelAveragingStrategy(PartialStrategy[GroupAverage]):
                 self._average(index)
                 return result
 
-            return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+            return self._lightning_step(optimizer, closure_then_average, model, kwargs)
+        output = self._lightning_step(optimizer, closure, model, kwargs)
         self._average(index)
         return output
 

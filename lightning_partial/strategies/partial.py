@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 from abc import abstractmethod
 from datetime import timedelta
-from typing import Any, Callable, ClassVar, Generic, Optional, Protocol, TypeVar
+from typing import Any, Callable, ClassVar, Generic, Optional, Protocol, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -85,6 +85,8 @@ class Engine(Protocol):
 
 
 EngineT = TypeVar("EngineT", bound=Engine)
+#: The ``model`` argument of Lightning's ``optimizer_step``.
+StepModel = Optional[Union["pl.LightningModule", torch.nn.Module]]
 
 
 class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
@@ -295,6 +297,32 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             listener(index, stats)
         if stats.stop:
             self._stopped = True  # the next batch start raises SIGTERMException on every rank
+
+    # ------------------------------------------------------------- training
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: StepModel = None,
+        **kwargs: Any,
+    ) -> Any:
+        """The subclass's :meth:`_engine_step` for an optimizer with an engine; Lightning's step otherwise
+        (not fitting, or no trainable parameter)."""
+        index = self._optimizer_index(optimizer)
+        if index not in self._engines:
+            return self._lightning_step(optimizer, closure, model, kwargs)
+        return self._engine_step(index, optimizer, closure, model, kwargs)
+
+    def _lightning_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: StepModel,
+                        kwargs: dict[str, Any]) -> Any:
+        """Lightning's own step: precision plugin, ``on_before_optimizer_step`` hooks, clipping, ``optimizer.step``."""
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @abstractmethod
+    def _engine_step(self, index: int, optimizer: Optimizer, closure: Callable[[], Any], model: StepModel,
+                     kwargs: dict[str, Any]) -> Any:
+        """Every rank, main thread: optimizer ``index``'s step, handing its tensors to its engine."""
 
     def _optimizer_index(self, optimizer: Optimizer) -> int:
         inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
