@@ -36,6 +36,7 @@ from typing import Optional
 
 from typing_extensions import Unpack, override
 
+from lightning_partial.collectives.checks import is_int_at_least
 from lightning_partial.collectives.schedules import ButterflySchedule, Schedule
 from lightning_partial.strategies.model_averaging import ModelAveragingStrategy
 from lightning_partial.strategies.options import AveragingOptions
@@ -68,10 +69,7 @@ class WAGMAStrategy(ModelAveragingStrategy):
         max_staleness: Optional[int] = None,
         **kwargs: Unpack[AveragingOptions],
     ) -> None:
-        if group_size is not None and (
-            isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
-            or group_size & (group_size - 1)
-        ):
+        if group_size is not None and (not is_int_at_least(group_size, 1) or group_size & (group_size - 1)):
             raise ValueError(f"group_size must be a power of two >= 1, got {group_size!r}")
         self.group_size = group_size
         super().__init__(global_every=global_every, max_staleness=max_staleness, **kwargs)
