@@ -43,12 +43,12 @@ from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConf
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.strategies import compensation
 from lightning_partial.strategies.options import StrategyOptions
-from lightning_partial.strategies.partial import PartialStrategy, StepModel
+from lightning_partial.strategies.partial import ConfiguredStrategy, StepModel
 
 log = logging.getLogger(__name__)
 
 
-class EagerSGDStrategy(PartialStrategy[PartialAllreduce]):
+class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
     """Eager-SGD: gradients averaged by partial allreduce (solo, majority, quorum, sync).
 
     Args:
@@ -135,15 +135,6 @@ class EagerSGDStrategy(PartialStrategy[PartialAllreduce]):
         self.find_unused_parameters = find_unused_parameters
         # Per optimizer index, resolved against the optimizers at set-up.
         self._staleness: dict[int, StalenessWeights] = {}
-
-    @property
-    @override
-    def synchronous(self) -> bool:
-        return self.partial_config.mode == "sync"
-
-    @override
-    def validate_world(self, world_size: int) -> None:
-        self.partial_config.validate_world(world_size)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:

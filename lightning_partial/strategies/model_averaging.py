@@ -43,14 +43,14 @@ from lightning_partial.collectives.group_average import (
 )
 from lightning_partial.collectives.schedules import Schedule
 from lightning_partial.strategies.options import ScheduleSource, StrategyOptions
-from lightning_partial.strategies.partial import PartialStrategy, StepModel
+from lightning_partial.strategies.partial import ConfiguredStrategy, StepModel
 
 log = logging.getLogger(__name__)
 
 ORDERS: tuple[str, ...] = ("step_then_average", "average_then_step")
 
 
-class ModelAveragingStrategy(PartialStrategy[GroupAverage]):
+class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
     """Base of :class:`WAGMAStrategy` and :class:`DSSyncStrategy`; subclasses build the default schedule.
 
     Args:
@@ -169,14 +169,9 @@ class ModelAveragingStrategy(PartialStrategy[GroupAverage]):
         schedule.check_world(world_size)
         return schedule
 
-    @property
-    @override
-    def synchronous(self) -> bool:
-        return self.partial_config.mode == "sync"
-
     @override
     def validate_world(self, world_size: int) -> None:
-        self.partial_config.validate_world(world_size)
+        super().validate_world(world_size)
         self.schedule = self.build_schedule(world_size)
 
     # ------------------------------------------------------------- engines

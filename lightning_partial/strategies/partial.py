@@ -49,7 +49,7 @@ from typing_extensions import Unpack, override
 
 import lightning.pytorch as pl
 from lightning_partial import _compat
-from lightning_partial.collectives import PartialCollectiveError, RoundStats, create_store
+from lightning_partial.collectives import PartialAllreduceConfig, PartialCollectiveError, RoundStats, create_store
 from lightning_partial.collectives.checks import check_timedelta
 from lightning_partial.collectives.liveness import Heartbeat
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, gather_engine_states, resume_entry, state_for_rank
@@ -472,3 +472,21 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
                     start_method=start_method, **options,
                 )
 
+
+class ConfiguredStrategy(PartialStrategy[EngineT]):
+    """A strategy whose engines run rounds of one :class:`PartialAllreduceConfig` (eager-SGD, model averaging).
+
+    Subclasses set :attr:`partial_config` in their constructor; its ``mode`` says whether
+    every round is synchronous, and it checks the world size at set-up.
+    """
+
+    partial_config: PartialAllreduceConfig
+
+    @property
+    @override
+    def synchronous(self) -> bool:
+        return self.partial_config.mode == "sync"
+
+    @override
+    def validate_world(self, world_size: int) -> None:
+        self.partial_config.validate_world(world_size)
