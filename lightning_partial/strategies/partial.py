@@ -64,7 +64,7 @@ _EXIT_GRACE = 20.0
 
 
 class Engine(Protocol):
-    """What :class:`PartialStrategy` asks of an engine (``PartialAllreduce``, ``GroupAverage``, ``DelayedAllreduce``)."""
+    """What :class:`PartialStrategy` asks of an engine: ``PartialAllreduce``, ``GroupAverage``, ``DelayedAllreduce``."""
 
     @property
     def round_reached(self) -> int: ...

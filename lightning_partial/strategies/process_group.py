@@ -5,7 +5,6 @@ The base of :class:`~lightning_partial.strategies.partial.PartialStrategy`: what
 group as ``DDPStrategy`` does, plus the gloo group that the strategy's own
 collectives use, for the reason below.
 
-
 **Invariant: one thread per NCCL communicator while the engines run.** NCCL can
 deadlock when kernels of two communicators are launched in different orders on
 different ranks, and the main thread and an engine's communication thread
@@ -79,7 +78,6 @@ def _warn_if_restarts_share_the_rendezvous_store() -> None:
             "fail to connect (stale addresses from the attempt that died, pytorch/pytorch#135712). Launch with "
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment"
         )
-
 
 
 class ProcessGroupStrategy(ParallelStrategy):
@@ -198,7 +196,7 @@ class ProcessGroupStrategy(ParallelStrategy):
 
     @property
     def collective_group(self) -> Any:
-        """The process group of the strategy's own collectives: gloo, all ranks (see the module docstring's invariant).
+        """The process group of the strategy's own collectives: gloo, all ranks (the module docstring's invariant).
 
         Pass it as ``process_group`` to anything that synchronises during fit
         (e.g. a torchmetrics ``Metric``), so that no NCCL collective on the default
