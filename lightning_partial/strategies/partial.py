@@ -93,10 +93,11 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
     """Base of the strategies over the partial-collective engines; not registered itself.
 
     Generic over the engine type ``EngineT``. Subclasses set :attr:`strategy_name`
-    and implement :meth:`_build_engine`, the per-step hand-off to the engine and
-    :meth:`_final_round`; those whose rounds can be all synchronous or whose
-    configuration depends on the world size override :attr:`synchronous` and
-    :meth:`validate_world`.
+    and implement :meth:`_build_engine`, the per-step hand-off to the engine
+    (:meth:`_engine_step`) and :meth:`_final_round`; those whose rounds can be all
+    synchronous or whose configuration depends on the world size override
+    :attr:`synchronous` and :meth:`validate_world` (:class:`ConfiguredStrategy` does
+    both from a ``PartialAllreduceConfig``).
 
     Args:
         timeout: bound on every wait that includes other ranks' compute (a round's
