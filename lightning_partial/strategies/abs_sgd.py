@@ -349,8 +349,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             optimizer.step()
             if spike:
                 # From the gradients as clipped (weight * g after clipping): the same direction and scale.
-                stepped = [p for p in params if p.grad is not None]
-                compensation.apply_spike(optimizer, stepped, [p.grad for p in stepped], spike / weight)
+                stepped = [(p, p.grad) for p in params if p.grad is not None]
+                compensation.apply_spike(optimizer, [p for p, _ in stepped], [g for _, g in stepped], spike / weight)
             if step_schedulers:
                 # Per round, not per batch: every rank then steps its schedulers at the same rounds.
                 _compat.step_round_schedulers(self._trainer, optimizer, result.stats.round_index)
