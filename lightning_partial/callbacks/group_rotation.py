@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Mapping, Optional
 
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
@@ -30,10 +30,9 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_partial.collectives.checks import check_int
 from lightning_partial.collectives.schedules import Schedule, SwitchingSchedule
+from lightning_partial.strategies.options import ScheduleSource
 
 log = logging.getLogger(__name__)
-
-ScheduleSource = Union[Schedule, Callable[[int], Schedule]]
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,20 @@ from lightning_partial.strategies.partial import PartialStrategy
 from lightning_partial.strategies.wagma import WAGMAStrategy
 
 
+#: The shipped strategies, in the order their names are listed (the registry, checkpoint errors).
+STRATEGIES: tuple[type[PartialStrategy], ...] = (EagerSGDStrategy, WAGMAStrategy, DSSyncStrategy, ABSSGDStrategy)
+
+
 def register_strategies() -> None:
     """Registers every strategy name with Lightning's ``StrategyRegistry`` (idempotent)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    EagerSGDStrategy.register_strategies(StrategyRegistry)
-    WAGMAStrategy.register_strategies(StrategyRegistry)
-    DSSyncStrategy.register_strategies(StrategyRegistry)
-    ABSSGDStrategy.register_strategies(StrategyRegistry)
+    for cls in STRATEGIES:
+        cls.register_strategies(StrategyRegistry)
+
+
+# Importing the strategies registers them (as `import lightning_partial` does once Lightning is imported).
+register_strategies()
 
 
 __all__ = [
@@ -24,6 +30,7 @@ __all__ = [
     "EagerSGDStrategy",
     "ModelAveragingStrategy",
     "PartialStrategy",
+    "STRATEGIES",
     "WAGMAStrategy",
     "register_strategies",
 ]

@@ -42,29 +42,28 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from collections.abc import Sized
+from typing import Any, Callable, Optional, cast
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 import lightning.pytorch as pl
 from lightning_partial import _compat
-from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundStats
-from lightning_partial.collectives.delayed import TRIGGERS, DelayedAllreduce, DelayedConfig
+from lightning_partial.collectives import RoundResult, RoundStats
+from lightning_partial.collectives.delayed import TRIGGERS, DelayedAllreduce, DelayedConfig, Trigger
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.data import ElasticBatchSampler
 from lightning_partial.strategies import compensation
 from lightning_partial.strategies.checkpoint import state_for_rank
-from lightning_partial.strategies.partial import PartialStrategy
+from lightning_partial.strategies.options import StrategyOptions
+from lightning_partial.strategies.partial import PartialStrategy, StepModel
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +96,7 @@ def check_validation_schedule(trainer: Any) -> None:
     )
 
 
-class ABSSGDStrategy(PartialStrategy):
+class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     """ABS-SGD over :class:`~lightning_partial.collectives.delayed.DelayedAllreduce` (see the module docstring).
 
     Args:
@@ -143,11 +142,6 @@ class ABSSGDStrategy(PartialStrategy):
 
     def __init__(
         self,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
         *,
         trigger: str = "samples",
         target_samples: Optional[int] = None,
@@ -156,37 +150,19 @@ class ABSSGDStrategy(PartialStrategy):
         staleness_rule: str = "auto",
         shuffle: bool = True,
         seed: int = 0,
-        timeout: timedelta = timedelta(minutes=30),
-        collective_timeout: timedelta = timedelta(seconds=60),
-        process_group_backend: Optional[str] = None,
-        start_method: Literal["popen", "spawn"] = "popen",
+        **kwargs: Unpack[StrategyOptions],
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            timeout=timeout,
-            collective_timeout=collective_timeout,
-            process_group_backend=process_group_backend,
-            start_method=start_method,
-        )
+        super().__init__(**kwargs)
         if trigger not in TRIGGERS:
             raise ValueError(f"abs_sgd: unknown trigger {trigger!r}: expected one of {', '.join(TRIGGERS)}")
-        # Validated now (a placeholder target when it defaults to the micro-batch size).
-        DelayedConfig(trigger=trigger, target_samples=target_samples if target_samples is not None or trigger != "samples"
-                      else 1, interval=interval, reference_samples=reference_samples,
-                      timeout=timeout, collective_timeout=collective_timeout)  # type: ignore[arg-type]
-        self.trigger = trigger
+        self.trigger = cast(Trigger, trigger)
         self.target_samples = target_samples
         self.interval = interval
         self.reference_samples = reference_samples
+        # Validated now; at set-up the target defaults to the micro-batch size (not known yet: 1 stands in).
+        self._delayed_config(target_samples=1 if target_samples is None and trigger == "samples" else target_samples)
         self.shuffle = shuffle
         self.seed = seed
-        self.partial_config = PartialAllreduceConfig(mode="solo", normalize="contributors", timeout=timeout,
-                                                     collective_timeout=collective_timeout,
-                                                     name="abs_sgd")
         self.staleness_rule = compensation.check_rule(staleness_rule, owner=self.strategy_name)
         # Per optimizer index, resolved against the optimizers at set-up.
         self._staleness: dict[int, StalenessWeights] = {}
@@ -246,7 +222,7 @@ class ABSSGDStrategy(PartialStrategy):
                     "DataLoader(batch_sampler=lightning_partial.data.ElasticBatchSampler(...))"
                 )
             self.sampler = ElasticBatchSampler(
-                len(dataloader.dataset),  # type: ignore[arg-type]
+                len(cast(Sized, dataloader.dataset)),  # a map-style dataset: the sampler has the check
                 batch_size=dataloader.batch_size,
                 num_replicas=self.world_size,
                 rank=self.global_rank,
@@ -271,25 +247,32 @@ class ABSSGDStrategy(PartialStrategy):
         self._epoch_samples = self.sampler.num_samples
         return dataloader
 
+    def _delayed_config(self, target_samples: Optional[int], **fit: Any) -> DelayedConfig:
+        """The engine's configuration from this strategy's options and ``fit``'s (epochs, rounds, name)."""
+        return DelayedConfig(
+            trigger=self.trigger,
+            target_samples=target_samples,
+            interval=self.interval,
+            reference_samples=self.reference_samples,
+            timeout=self._timeout,
+            collective_timeout=self._collective_timeout,
+            **fit,
+        )
+
     @override
-    def _build_engine(self, index: int, params: list[torch.nn.Parameter], store: dist.Store) -> PartialAllreduce:
-        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+    def _build_engine(self, index: int, params: list[torch.nn.Parameter], store: dist.Store) -> DelayedAllreduce:
+        trainer = self._trainer
         if self.sampler is None:
             raise RuntimeError("abs_sgd: the train dataloader was not prepared (process_dataloader)")
         target = self.target_samples
         if self.trigger == "samples" and target is None:
             target = self.sampler.batch_size
         max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
-        config = DelayedConfig(
-            trigger=self.trigger,  # type: ignore[arg-type]
-            target_samples=target,
-            interval=self.interval,
-            reference_samples=self.reference_samples,
+        config = self._delayed_config(
+            target,
             epoch_samples=self._epoch_samples,
             max_epochs=max_epochs,
             max_rounds=trainer.max_steps if trainer.max_steps > 0 else None,
-            timeout=self._timeout,
-            collective_timeout=self._collective_timeout,
             name=f"abs_sgd-{index}",
         )
         return DelayedAllreduce(config, store=store, rank=self.global_rank, world_size=self.world_size,
@@ -322,8 +305,7 @@ class ABSSGDStrategy(PartialStrategy):
         engine = self._engines.get(0)
         if engine is None:
             return
-        assert isinstance(engine, DelayedAllreduce)
-        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        trainer = self._trainer
         self._save_due_step_checkpoints(trainer)
         if engine.final_round is not None:
             trainer.should_stop = True
@@ -332,32 +314,23 @@ class ABSSGDStrategy(PartialStrategy):
             _compat.mark_last_batch(trainer)
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
-        **kwargs: Any,
-    ) -> Any:
+    def _engine_step(self, index: int, optimizer: Optimizer, closure: Callable[[], Any], model: StepModel,
+                     kwargs: dict[str, Any]) -> Any:
         """The micro-batch (closure), its deposit, then one optimizer step per round result now due."""
-        index = self._optimizer_index(optimizer)
-        engine = self._engines.get(index)
-        if engine is None:  # not fitting, or no trainable parameter
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        assert isinstance(engine, DelayedAllreduce)
         output = closure()
         params = self._params[index]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        results = engine.deposit(grads, samples=max(self._batch_samples, 1))
+        results = self._engines[index].deposit(grads, samples=max(self._batch_samples, 1))
         self._apply(index, optimizer, results, model)
-        _compat.add_optimizer_steps(self.lightning_module.trainer, len(results) - 1)  # type: ignore[union-attr]
+        _compat.add_optimizer_steps(self._trainer, len(results) - 1)
         if not results:
             for p in params:
                 p.grad = None  # nothing was applied: leave no gradient behind
         return output
 
     def _apply(
-        self, index: int, optimizer: Optimizer, results: list[Any], model: Any = None, *, step_schedulers: bool = True
+        self, index: int, optimizer: Optimizer, results: list[RoundResult], model: StepModel = None, *,
+        step_schedulers: bool = True,
     ) -> None:
         module = model if isinstance(model, pl.LightningModule) else self.lightning_module
         # Every result is applied one round after the micro-batches it sums were computed.
@@ -376,11 +349,11 @@ class ABSSGDStrategy(PartialStrategy):
             optimizer.step()
             if spike:
                 # From the gradients as clipped (weight * g after clipping): the same direction and scale.
-                stepped = [p for p in params if p.grad is not None]
-                compensation.apply_spike(optimizer, stepped, [p.grad for p in stepped], spike / weight)
+                stepped = [(p, p.grad) for p in params if p.grad is not None]
+                compensation.apply_spike(optimizer, [p for p, _ in stepped], [g for _, g in stepped], spike / weight)
             if step_schedulers:
                 # Per round, not per batch: every rank then steps its schedulers at the same rounds.
-                _compat.step_round_schedulers(self.lightning_module.trainer, optimizer, result.stats.round_index)
+                _compat.step_round_schedulers(self._trainer, optimizer, result.stats.round_index)
             result.release()
             self._record(index, result.stats)
 
@@ -392,22 +365,21 @@ class ABSSGDStrategy(PartialStrategy):
         rank; the last activated round is agreed (one MAX allreduce) and waited for.
         """
         for engine in self._engines.values():
-            engine.pause()  # type: ignore[attr-defined]
+            engine.pause()
         self.barrier("abs_sgd quiesce")
         indices = sorted(self._engines)
-        known = torch.tensor([self._engines[i].known_round() for i in indices], dtype=torch.int64)  # type: ignore[attr-defined]
+        known = torch.tensor([self._engines[i].known_round() for i in indices], dtype=torch.int64)
         if self.world_size > 1:
             # On the host, on the collective group: never a default-group NCCL collective (partial.py).
             dist.all_reduce(known, op=dist.ReduceOp.MAX, group=self.collective_group)
         last = {i: int(r) for i, r in zip(indices, known.cpu().tolist())}
         for i in indices:
-            self._engines[i].drain(last[i])  # type: ignore[attr-defined]
+            self._engines[i].drain(last[i])
         return last
 
     @override
-    def _final_round(self, index: int, engine: PartialAllreduce) -> RoundStats:
+    def _final_round(self, index: int, engine: DelayedAllreduce) -> RoundStats:
         """Agreed last round, the final synchronous round, and every result not yet applied."""
-        assert isinstance(engine, DelayedAllreduce)
         last = self._last_rounds[index]
         results = engine.finish(last)
         optimizer = self.optimizers[index]
@@ -419,7 +391,7 @@ class ABSSGDStrategy(PartialStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        trainer = self._trainer
         if self._engines:
             _compat.step_schedulers_by_rounds(trainer)
         for trigger in self._step_checkpoints:
@@ -444,9 +416,9 @@ class ABSSGDStrategy(PartialStrategy):
     @override
     def on_train_end(self) -> None:
         if not self._stopped and self._engines:
-            self._save_due_step_checkpoints(self.lightning_module.trainer)  # type: ignore[union-attr]
+            self._save_due_step_checkpoints(self._trainer)
             self._last_rounds = self._quiesce()
-        _compat.restore_scheduler_stepping(self.lightning_module.trainer)  # type: ignore[union-attr]
+        _compat.restore_scheduler_stepping(self._trainer)
         super().on_train_end()
 
     @override
@@ -460,6 +432,6 @@ class ABSSGDStrategy(PartialStrategy):
                 super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             finally:
                 for engine in self._engines.values():
-                    engine.resume()  # type: ignore[attr-defined]
+                    engine.resume()
             return
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

@@ -74,12 +74,25 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "lightning_partial"
 
-#: The registered strategies of each engine family (what a checkpoint of that family can be resumed with).
-FAMILY_STRATEGIES: dict[str, tuple[str, ...]] = {
-    "gradients": ("eager_sgd", "eager_sgd_majority", "eager_sgd_backup"),
-    "models": ("wagma_sgd", "ds_sync"),
-    "abs_sgd": ("abs_sgd",),
-}
+
+
+def family_strategies() -> dict[str, tuple[str, ...]]:
+    """The registry names of each engine family (what a checkpoint of that family can be resumed with).
+
+    Read from each shipped strategy class's ``engine_family`` and ``registry_entries``.
+    """
+    from lightning_partial.strategies import STRATEGIES  # here: the strategies import this module
+
+    families: dict[str, tuple[str, ...]] = {}
+    for cls in STRATEGIES:
+        families[cls.engine_family] = families.get(cls.engine_family, ()) + tuple(e[0] for e in cls.registry_entries)
+    return families
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FAMILY_STRATEGIES":  # family_strategies(), under the name it had as a table
+        return family_strategies()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class CheckpointMismatchError(ValueError):
@@ -219,7 +232,7 @@ def resume_entry(
             entry.get("strategy"), saved, strategy, family, what,
         )
         return None
-    same = ", ".join(FAMILY_STRATEGIES.get(saved, (str(entry.get("strategy")),)))
+    same = ", ".join(family_strategies().get(saved, (str(entry.get("strategy")),)))
     raise CheckpointMismatchError(
         f"this checkpoint was written by strategy {entry.get('strategy')!r} (engine family {saved!r}, "
         f"world size {entry.get('world_size')}, {what}), but the current strategy {strategy!r} belongs to the "

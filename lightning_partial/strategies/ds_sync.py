@@ -36,18 +36,14 @@ steps 50-100 and 100-150), ``normalize="reference"`` 0.590 (77.66%).
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import Literal, Optional
+from typing import Optional
 
-import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.plugins.precision import Precision
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
-import lightning.pytorch as pl
 from lightning_partial.collectives.checks import check_int
 from lightning_partial.collectives.schedules import Schedule, ShuffleSchedule
-from lightning_partial.strategies.model_averaging import ModelAveragingStrategy, ScheduleSource
+from lightning_partial.strategies.model_averaging import ModelAveragingStrategy
+from lightning_partial.strategies.options import AveragingOptions
 
 
 class DSSyncStrategy(ModelAveragingStrategy):
@@ -62,38 +58,15 @@ class DSSyncStrategy(ModelAveragingStrategy):
 
     def __init__(
         self,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
         *,
         num_groups: Optional[int] = None,
         global_every: Optional[int] = None,
-        mode: str = "solo",
-        quorum: Optional[int] = None,
-        normalize: str = "group",
-        late: str = "damp",
-        stale: str = "skip",
-        order: str = "step_then_average",
         max_staleness: Optional[int] = 4,
-        measure_every: Optional[int] = None,
-        seed: int = 0,
-        schedule: Optional[ScheduleSource] = None,
-        timeout: timedelta = timedelta(minutes=30),
-        collective_timeout: timedelta = timedelta(seconds=60),
-        process_group_backend: Optional[str] = None,
-        start_method: Literal["popen", "spawn"] = "popen",
+        **kwargs: Unpack[AveragingOptions],
     ) -> None:
         check_int("num_groups", num_groups, optional=True)
         self.num_groups = num_groups
-        super().__init__(
-            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            mode=mode, quorum=quorum, normalize=normalize, late=late, stale=stale, global_every=global_every,
-            order=order, max_staleness=max_staleness, measure_every=measure_every, seed=seed, schedule=schedule,
-            timeout=timeout, collective_timeout=collective_timeout,
-            process_group_backend=process_group_backend, start_method=start_method,
-        )
+        super().__init__(global_every=global_every, max_staleness=max_staleness, **kwargs)
 
     @override
     def default_schedule(self, world_size: int) -> Schedule:

@@ -30,27 +30,25 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 import lightning.pytorch as pl
 from lightning_partial import _compat
 from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundResult, RoundStats
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.strategies import compensation
-from lightning_partial.strategies.partial import PartialStrategy
+from lightning_partial.strategies.options import StrategyOptions
+from lightning_partial.strategies.partial import ConfiguredStrategy, StepModel
 
 log = logging.getLogger(__name__)
 
 
-class EagerSGDStrategy(PartialStrategy):
+class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
     """Eager-SGD: gradients averaged by partial allreduce (solo, majority, quorum, sync).
 
     Args:
@@ -104,11 +102,6 @@ class EagerSGDStrategy(PartialStrategy):
 
     def __init__(
         self,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
         *,
         mode: str = "solo",
         quorum: Optional[int] = None,
@@ -120,22 +113,9 @@ class EagerSGDStrategy(PartialStrategy):
         staleness_rule: str = "auto",
         find_unused_parameters: bool = False,
         seed: int = 0,
-        timeout: timedelta = timedelta(minutes=30),
-        collective_timeout: timedelta = timedelta(seconds=60),
-        process_group_backend: Optional[str] = None,
-        start_method: Literal["popen", "spawn"] = "popen",
+        **kwargs: Unpack[StrategyOptions],
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            timeout=timeout,
-            collective_timeout=collective_timeout,
-            process_group_backend=process_group_backend,
-            start_method=start_method,
-        )
+        super().__init__(**kwargs)
         self.partial_config = PartialAllreduceConfig(
             mode=mode,  # type: ignore[arg-type]
             quorum=quorum,
@@ -145,8 +125,8 @@ class EagerSGDStrategy(PartialStrategy):
             sync_every=sync_every,
             max_staleness=max_staleness,
             seed=seed,
-            timeout=timeout,
-            collective_timeout=collective_timeout,
+            timeout=self._timeout,
+            collective_timeout=self._collective_timeout,
             name="eager_sgd",
         )
         self.staleness_rule = compensation.check_rule(staleness_rule, owner=self.strategy_name)
@@ -176,23 +156,16 @@ class EagerSGDStrategy(PartialStrategy):
 
     # ------------------------------------------------------------- training
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
-        **kwargs: Any,
-    ) -> Any:
+    def _engine_step(self, index: int, optimizer: Optimizer, closure: Callable[[], Any], model: StepModel,
+                     kwargs: dict[str, Any]) -> Any:
         """Runs the closure, synchronises the gradients, then clipping and the step."""
-        index = self._optimizer_index(optimizer)
 
         def closure_then_sync() -> Any:
             result = closure()
-            if index in self._engines:
-                self._synchronise(index)
+            self._synchronise(index)
             return result
 
-        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        return self._lightning_step(optimizer, closure_then_sync, model, kwargs)
 
     @staticmethod
     def _presence(params: list[torch.nn.Parameter], present: list[bool]) -> torch.Tensor:

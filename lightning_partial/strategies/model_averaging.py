@@ -25,20 +25,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
-import lightning.pytorch as pl
 from lightning_partial.collectives import PartialAllreduceConfig, RoundStats
 from lightning_partial.collectives.checks import check_int
-from lightning_partial.collectives.engine import PartialAllreduce
 from lightning_partial.collectives.group_average import (
     LATE_POLICIES,
     NORMALIZATIONS,
@@ -47,15 +42,15 @@ from lightning_partial.collectives.group_average import (
     apply_average,
 )
 from lightning_partial.collectives.schedules import Schedule
-from lightning_partial.strategies.partial import PartialStrategy
+from lightning_partial.strategies.options import ScheduleSource, StrategyOptions
+from lightning_partial.strategies.partial import ConfiguredStrategy, StepModel
 
 log = logging.getLogger(__name__)
 
-ScheduleSource = Union[Schedule, Callable[[int], Schedule]]
 ORDERS: tuple[str, ...] = ("step_then_average", "average_then_step")
 
 
-class ModelAveragingStrategy(PartialStrategy):
+class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
     """Base of :class:`WAGMAStrategy` and :class:`DSSyncStrategy`; subclasses build the default schedule.
 
     Args:
@@ -98,11 +93,6 @@ class ModelAveragingStrategy(PartialStrategy):
 
     def __init__(
         self,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
         *,
         mode: str = "solo",
         quorum: Optional[int] = None,
@@ -115,22 +105,9 @@ class ModelAveragingStrategy(PartialStrategy):
         measure_every: Optional[int] = None,
         seed: int = 0,
         schedule: Optional[ScheduleSource] = None,
-        timeout: timedelta = timedelta(minutes=30),
-        collective_timeout: timedelta = timedelta(seconds=60),
-        process_group_backend: Optional[str] = None,
-        start_method: Literal["popen", "spawn"] = "popen",
+        **kwargs: Unpack[StrategyOptions],
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            timeout=timeout,
-            collective_timeout=collective_timeout,
-            process_group_backend=process_group_backend,
-            start_method=start_method,
-        )
+        super().__init__(**kwargs)
         if normalize not in NORMALIZATIONS:
             raise ValueError(f"unknown normalize {normalize!r}: expected one of {', '.join(NORMALIZATIONS)}")
         if late not in LATE_POLICIES:
@@ -151,8 +128,8 @@ class ModelAveragingStrategy(PartialStrategy):
             sync_every=global_every,
             max_staleness=max_staleness,
             seed=seed,
-            timeout=timeout,
-            collective_timeout=collective_timeout,
+            timeout=self._timeout,
+            collective_timeout=self._collective_timeout,
             name=self.strategy_name,
         )
         self.normalize = normalize
@@ -199,7 +176,7 @@ class ModelAveragingStrategy(PartialStrategy):
 
     # ------------------------------------------------------------- engines
     @override
-    def _build_engine(self, index: int, params: list[torch.nn.Parameter], store: dist.Store) -> PartialAllreduce:
+    def _build_engine(self, index: int, params: list[torch.nn.Parameter], store: dist.Store) -> GroupAverage:
         if self.schedule is None:
             self.schedule = self.build_schedule(self.world_size)
         return GroupAverage(
@@ -214,17 +191,9 @@ class ModelAveragingStrategy(PartialStrategy):
         )
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
-        **kwargs: Any,
-    ) -> Any:
+    def _engine_step(self, index: int, optimizer: Optimizer, closure: Callable[[], Any], model: StepModel,
+                     kwargs: dict[str, Any]) -> Any:
         """The local step on local gradients and this round's group average of the parameters, in ``order``."""
-        index = self._optimizer_index(optimizer)
-        if index not in self._engines:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.order == "average_then_step":
 
             def closure_then_average() -> Any:
@@ -234,8 +203,8 @@ class ModelAveragingStrategy(PartialStrategy):
                 self._average(index)
                 return result
 
-            return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+            return self._lightning_step(optimizer, closure_then_average, model, kwargs)
+        output = self._lightning_step(optimizer, closure, model, kwargs)
         self._average(index)
         return output
 
@@ -247,7 +216,7 @@ class ModelAveragingStrategy(PartialStrategy):
         self._record(index, result.stats)
 
     @override
-    def _final_round(self, index: int, engine: PartialAllreduce) -> RoundStats:
+    def _final_round(self, index: int, engine: GroupAverage) -> RoundStats:
         """The final global average of the parameters: every replica ends identical."""
         params = [p.detach() for p in self._params[index]]
         result = engine.flush(params)

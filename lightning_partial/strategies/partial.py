@@ -27,68 +27,34 @@ Contract (threads and collectives), common to eager-SGD, WAGMA-SGD and DS-Sync:
   ``gather_object``; a resumed fit gives each rank its own state back.
 * Validation, test and predict never touch the engines.
 
-**Invariant: one thread per NCCL communicator while the engines run.** NCCL can
-deadlock when kernels of two communicators are launched in different orders on
-different ranks, and the main thread and an engine's communication thread
-cannot agree on an order: rounds start whenever the fastest rank activates
-them. So, from the engines' start (``on_train_start``) to their close, the only
-NCCL communicators in use are the engines' own data groups, each driven by its
-engine's communication thread alone; the strategy's own collectives
-(``barrier``, ``broadcast``, ``reduce`` and with it ``self.log(sync_dist=True)``
-and ``reduce_boolean_decision``, ``all_gather``, the checkpoint's gather, the
-buffer average, the store's address, ABS-SGD's quiesce) run on
-:attr:`PartialStrategy.collective_group`, a gloo group of all ranks made at
-set-up (the default group itself when that is gloo), on host copies of their
-tensors. The default NCCL group is used by the set-up (the broadcast of the
-weights, ``new_group`` for the collective group), before any engine exists, and
-by each engine's ``start()``
-(``dist.new_group`` and a one-element allreduce that creates its NCCL
-communicator), on the main thread, before any round can be activated: rounds
-need arrivals, which begin after ``on_train_start``. ``SyncBatchNorm``, which would issue a
-default-group collective in every forward pass, is refused unless rounds are
-fully synchronous (``mode="sync"``). User code that runs its own collectives
-during fit (for example torchmetrics' ``dist_sync``) must pass
-``process_group=trainer.strategy.collective_group``, as the strategy does.
-In pure ``mode="sync"`` Lightning's per-batch SIGTERM broadcast (and
-``SyncBatchNorm``) still use the default group: there each communication thread
-enters round ``q`` only after its own rank's ``arrive(q)``, and the caller's
-stream waits for round ``q`` before the next batch, so both communicators'
-kernels are launched in the same order on every rank.
+**Invariant: one thread per NCCL communicator while the engines run**: the
+strategy's own collectives run on a gloo group, never beside the engines' NCCL
+rounds (see :mod:`lightning_partial.strategies.process_group`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
+from abc import abstractmethod
 from datetime import timedelta
-from typing import Any, Callable, ClassVar, Literal, Optional, Union
+from typing import Any, Callable, ClassVar, Generic, Optional, Protocol, TypeVar, Union
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 import lightning.pytorch as pl
 from lightning_partial import _compat
-from lightning_partial.collectives import (
-    PartialAllreduce,
-    PartialAllreduceConfig,
-    PartialCollectiveError,
-    RoundStats,
-    create_store,
-)
+from lightning_partial.collectives import PartialAllreduceConfig, PartialCollectiveError, RoundStats, create_store
 from lightning_partial.collectives.checks import check_timedelta
 from lightning_partial.collectives.liveness import Heartbeat
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, gather_engine_states, resume_entry, state_for_rank
+from lightning_partial.strategies.options import ProcessGroupOptions
+from lightning_partial.strategies.process_group import ProcessGroupStrategy
 
 log = logging.getLogger(__name__)
 
@@ -97,31 +63,41 @@ log = logging.getLogger(__name__)
 _EXIT_GRACE = 20.0
 
 
-def _warn_if_restarts_share_the_rendezvous_store() -> None:
-    """Warns when torchrun may restart the workers on a rendezvous store it shares with them.
+class Engine(Protocol):
+    """What :class:`PartialStrategy` asks of an engine: ``PartialAllreduce``, ``GroupAverage``, ``DelayedAllreduce``."""
 
-    torchrun (c10d rendezvous) lets its workers initialise their default group on its
-    own store (``TORCHELASTIC_USE_AGENT_STORE=True``) and keeps that store across
-    restarts, so a restarted group can read the addresses of the group that died and
-    fail in ``init_process_group`` (gloo: ``connectFullMesh ... Connection refused``;
-    NCCL likewise, pytorch/pytorch#135712). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
-    in torchrun's environment gives each attempt a store of its own.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(
-        os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0
-    ) > 0:
-        log.warning(
-            "torchrun --max-restarts with its rendezvous store shared with the workers: a restarted group may "
-            "fail to connect (stale addresses from the attempt that died, pytorch/pytorch#135712). Launch with "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment"
-        )
+    @property
+    def round_reached(self) -> int: ...
+
+    def start(self) -> Any: ...
+
+    def request_stop(self) -> None: ...
+
+    def close(self, timeout: float = 10.0) -> None: ...
+
+    def fail(self, error: PartialCollectiveError) -> None: ...
+
+    def attach_liveness(self, liveness: Any) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-class PartialStrategy(ParallelStrategy):
+EngineT = TypeVar("EngineT", bound=Engine)
+#: The ``model`` argument of Lightning's ``optimizer_step``.
+StepModel = Optional[Union["pl.LightningModule", torch.nn.Module]]
+
+
+class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
     """Base of the strategies over the partial-collective engines; not registered itself.
 
-    Subclasses set :attr:`strategy_name` and :attr:`partial_config`, and implement
-    :meth:`_build_engine`, the per-step hand-off to the engine and :meth:`_final_round`.
+    Generic over the engine type ``EngineT``. Subclasses set :attr:`strategy_name`
+    and implement :meth:`_build_engine`, the per-step hand-off to the engine
+    (:meth:`_engine_step`) and :meth:`_final_round`; those whose rounds can be all
+    synchronous or whose configuration depends on the world size override
+    :attr:`synchronous` and :meth:`validate_world` (:class:`ConfiguredStrategy` does
+    both from a ``PartialAllreduceConfig``).
 
     Args:
         timeout: bound on every wait that includes other ranks' compute (a round's
@@ -147,152 +123,27 @@ class PartialStrategy(ParallelStrategy):
     #: arguments)``; :meth:`register_strategies` adds each with ``start_method="popen"`` and a
     #: ``<name>_spawn`` twin with ``start_method="spawn"``.
     registry_entries: ClassVar[tuple[tuple[str, str, dict[str, Any]], ...]] = ()
-    partial_config: PartialAllreduceConfig
 
     def __init__(
-        self,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        *,
-        timeout: timedelta = timedelta(minutes=30),
-        collective_timeout: timedelta = timedelta(seconds=60),
-        process_group_backend: Optional[str] = None,
-        start_method: Literal["popen", "spawn"] = "popen",
+        self, *, collective_timeout: timedelta = timedelta(seconds=60), **kwargs: Unpack[ProcessGroupOptions]
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
-        if start_method not in ("popen", "spawn"):
-            raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
-        check_timedelta("timeout", timeout)
+        super().__init__(**kwargs)
         check_timedelta("collective_timeout", collective_timeout)
-        self._num_nodes = 1
-        self._timeout = timeout
         self._collective_timeout = collective_timeout
-        self._process_group_backend = process_group_backend
-        self._start_method = start_method
-        # Created in setup(), never in __init__: the strategy must stay picklable.
-        self._engines: dict[int, PartialAllreduce] = {}
+        # Created at on_train_start, never in __init__: the strategy must stay picklable.
+        self._engines: dict[int, EngineT] = {}
         self._params: dict[int, list[torch.nn.Parameter]] = {}
         self._store: Optional[dist.Store] = None
         self._heartbeat: Optional[Heartbeat] = None
         self._stopped = False  # a round carried a stop request: every rank stops at it
         self._previous_sigterm_handler: Any = None
         self._resume_state: Optional[dict[str, Any]] = None  # from load_checkpoint, consumed at start
-        # The strategy's own collectives' group (see the module docstring), made in setup_distributed.
-        self._collective_group: Any = None
-        self._collective_group_ready = False
         self._final_states: dict[int, dict[str, Any]] = {}  # engine states after the final flush
         # The latest round's statistics per optimizer index (read by StalenessTracker).
         self.round_stats: dict[int, RoundStats] = {}
         # Called with (optimizer index, stats) for every round this rank applies, in order
         # (callbacks that need every round, not only the latest: AdaptiveBatchSize).
         self.round_listeners: list[Callable[[int, RoundStats], None]] = []
-
-    # ------------------------------------------------------------ topology
-    @property
-    def is_distributed(self) -> bool:
-        """Read by Lightning's accelerator connector: inject a ``DistributedSampler`` as under DDP."""
-        return True
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = _compat._SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _compat._MultiProcessingLauncher(self, start_method=self._start_method)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self.setup_distributed()
-
-    def setup_distributed(self) -> None:
-        _compat.reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = (
-            self._process_group_backend or _compat._get_default_process_group_backend_for_device(self.root_device)
-        )
-        assert self.cluster_environment is not None
-        _warn_if_restarts_share_the_rendezvous_store()
-        _compat._init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
-        self._make_collective_group()
-
-    def _make_collective_group(self) -> None:
-        """Every rank, main thread, once: the gloo group of the strategy's own collectives.
-
-        ``None`` stands for the default group when it is gloo already; otherwise a new
-        gloo group of all ranks (``dist.new_group``, collective over the default group).
-        """
-        if self._collective_group_ready or not _compat._distributed_is_initialized():
-            return
-        if dist.get_backend() != "gloo":
-            self._collective_group = dist.new_group(backend="gloo", timeout=self._timeout)
-        self._collective_group_ready = True
-
-    @property
-    def collective_group(self) -> Any:
-        """The process group of the strategy's own collectives: gloo, all ranks (see the module docstring).
-
-        Pass it as ``process_group`` to anything that synchronises during fit
-        (e.g. a torchmetrics ``Metric``), so that no NCCL collective on the default
-        group runs beside the engines' rounds.
-        """
-        if not self._collective_group_ready:
-            return None
-        return self._collective_group if self._collective_group is not None else _compat._group.WORLD
-
-    @staticmethod
-    def _is_default(group: Any) -> bool:
-        """Whether a caller's ``group`` means the default group (``LightningModule.all_gather`` passes ``WORLD``)."""
-        return group is None or group is _compat._group.WORLD
-
-    def _to_host(self, tensor: Tensor) -> Tensor:
-        """``tensor`` as the collective group takes it: a host copy when the default group is not gloo."""
-        if self._collective_group is None or not tensor.is_cuda:
-            return tensor
-        return tensor.detach().cpu()
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     # --------------------------------------------------------------- set-up
     @override
@@ -324,7 +175,7 @@ class PartialStrategy(ParallelStrategy):
         every step wait for every rank (what the strategy exists to avoid) and, on
         GPUs, run NCCL kernels of the default group beside the engines' rounds.
         """
-        if self.partial_config.mode == "sync":
+        if self.synchronous:
             return
         names = [name for name, m in model.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
         if names:
@@ -335,9 +186,23 @@ class PartialStrategy(ParallelStrategy):
                 "at the end of fit) or GroupNorm, and do not pass sync_batchnorm=True"
             )
 
+    @property
+    def synchronous(self) -> bool:
+        """Whether every round waits for every rank (``mode="sync"``); ``False`` unless a subclass says so.
+
+        Synchronous rounds keep Lightning's own SIGTERM handling and allow ``SyncBatchNorm``
+        (see :mod:`lightning_partial.strategies.process_group`).
+        """
+        return False
+
     def validate_world(self, world_size: int) -> None:
-        """Checks what depends on the number of ranks; raises ``ValueError``."""
-        self.partial_config.validate_world(world_size)
+        """Checks what depends on the number of ranks; raises ``ValueError`` (nothing here)."""
+
+    @property
+    def _trainer(self) -> "pl.Trainer":
+        """The trainer fitting the module (set up: there is one)."""
+        assert self.lightning_module is not None
+        return self.lightning_module.trainer
 
     def check_precision(self) -> None:
         """Refuses a gradient scaler (``precision="16-mixed"``) with a clear error."""
@@ -350,9 +215,9 @@ class PartialStrategy(ParallelStrategy):
                 "or 'bf16-true'"
             )
 
-    def _build_engine(self, index: int, params: list[torch.nn.Parameter], store: dist.Store) -> PartialAllreduce:
+    @abstractmethod
+    def _build_engine(self, index: int, params: list[torch.nn.Parameter], store: dist.Store) -> EngineT:
         """The engine of optimizer ``index`` over ``params`` (not started)."""
-        raise NotImplementedError
 
     def _start_engines(self, trainer: "pl.Trainer") -> None:
         """Collective (every rank, main thread): the store, one engine per optimizer, their threads.
@@ -370,10 +235,11 @@ class PartialStrategy(ParallelStrategy):
             engine = self._build_engine(index, params, self._store)
             if resume is not None and index in resume["engines"]:
                 engine.load_state_dict(self._engine_state(resume["engines"][index]))
-            self._engines[index] = engine.start()
+            engine.start()
+            self._engines[index] = engine
             self._params[index] = params
         self._start_heartbeat()
-        if self.partial_config.mode != "sync":
+        if not self.synchronous:
             # A globally synchronous step costs the broadcast nothing extra: keep
             # Lightning's own SIGTERM handling in pure sync mode.
             _compat.replace_sigterm_broadcast(trainer, lambda: self._stopped)
@@ -397,7 +263,7 @@ class PartialStrategy(ParallelStrategy):
             self._store,
             rank=self.global_rank,
             world_size=self.world_size,
-            timeout=self.partial_config.collective_bound,
+            timeout=min(self._collective_timeout, self._timeout),  # as the engines bound a round's collectives
             on_dead=on_dead,
             progress=lambda: max(e.round_reached for e in engines),
             exit_grace=_EXIT_GRACE,
@@ -412,13 +278,12 @@ class PartialStrategy(ParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        assert self.lightning_module is not None
-        self._start_engines(self.lightning_module.trainer)
+        self._start_engines(self._trainer)
         # Lightning registers its SIGTERM handler after strategy.setup(); replace it
         # here. Its handler broadcasts from rank 0 inside the handler and marks the
         # rank as stopping at the end of the batch, alone: a rank that stops alone
         # leaves the others waiting in rounds that need its communication thread.
-        if self._engines and self.partial_config.mode != "sync":
+        if self._engines and not self.synchronous:
             self._previous_sigterm_handler = _compat.install_sigterm_handler(self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
@@ -434,6 +299,32 @@ class PartialStrategy(ParallelStrategy):
         if stats.stop:
             self._stopped = True  # the next batch start raises SIGTERMException on every rank
 
+    # ------------------------------------------------------------- training
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: StepModel = None,
+        **kwargs: Any,
+    ) -> Any:
+        """The subclass's :meth:`_engine_step` for an optimizer with an engine; Lightning's step otherwise
+        (not fitting, or no trainable parameter)."""
+        index = self._optimizer_index(optimizer)
+        if index not in self._engines:
+            return self._lightning_step(optimizer, closure, model, kwargs)
+        return self._engine_step(index, optimizer, closure, model, kwargs)
+
+    def _lightning_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: StepModel,
+                        kwargs: dict[str, Any]) -> Any:
+        """Lightning's own step: precision plugin, ``on_before_optimizer_step`` hooks, clipping, ``optimizer.step``."""
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @abstractmethod
+    def _engine_step(self, index: int, optimizer: Optimizer, closure: Callable[[], Any], model: StepModel,
+                     kwargs: dict[str, Any]) -> Any:
+        """Every rank, main thread: optimizer ``index``'s step, handing its tensors to its engine."""
+
     def _optimizer_index(self, optimizer: Optimizer) -> int:
         inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
         for i, opt in enumerate(self.optimizers):
@@ -441,9 +332,9 @@ class PartialStrategy(ParallelStrategy):
                 return i
         raise ValueError("optimizer_step() got an optimizer that the strategy did not set up")
 
-    def _final_round(self, index: int, engine: PartialAllreduce) -> RoundStats:
+    @abstractmethod
+    def _final_round(self, index: int, engine: EngineT) -> RoundStats:
         """Every rank, main thread: the engine's flush and applying its result."""
-        raise NotImplementedError
 
     @override
     def on_train_end(self) -> None:
@@ -563,61 +454,12 @@ class PartialStrategy(ParallelStrategy):
         )
         return checkpoint
 
-    # ---------------------------------------------------------- collectives
-    # Every collective below runs on collective_group (gloo), never on a NCCL default
-    # group: see the module docstring's invariant.
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _compat._distributed_is_initialized():
-            return
-        dist.barrier(group=self.collective_group)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _compat._distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=self.collective_group)
-        return box[0]
-
-    @override
-    def reduce(
-        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
-    ) -> Tensor:
-        if not isinstance(tensor, Tensor):
-            return tensor
-        if not self._is_default(group) or not _compat._distributed_is_initialized():
-            return _compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        host = self._to_host(tensor)
-        if host is tensor:
-            return _compat._sync_ddp_if_available(tensor, self.collective_group, reduce_op=reduce_op)
-        if host.dtype in (torch.float16, torch.bfloat16):
-            host = host.float()  # what every gloo build reduces
-        out = _compat._sync_ddp_if_available(host, self.collective_group, reduce_op=reduce_op)
-        with torch.no_grad():
-            tensor.copy_(out)  # in place, as DDPStrategy's reduce leaves it
-        return tensor
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        if not self._is_default(group):
-            return _compat._all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
-        host = tensor.cpu() if self._collective_group is not None and tensor.is_cuda else tensor  # keeps autograd
-        out = _compat._all_gather_ddp_if_available(host, group=self.collective_group, sync_grads=sync_grads)
-        return out.to(tensor.device)
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
-
     @override
     def teardown(self) -> None:
         self._close_engines()
         self._release_store(agreed=False)
         super().teardown()
 
-    @override
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -631,8 +473,21 @@ class PartialStrategy(ParallelStrategy):
                     start_method=start_method, **options,
                 )
 
-    def __getstate__(self) -> dict[str, Any]:
-        # A process group cannot be pickled (the spawn launcher pickles the strategy).
-        state = super().__getstate__()
-        state["_collective_group"], state["_collective_group_ready"] = None, False
-        return state
+
+class ConfiguredStrategy(PartialStrategy[EngineT]):
+    """A strategy whose engines run rounds of one :class:`PartialAllreduceConfig` (eager-SGD, model averaging).
+
+    Subclasses set :attr:`partial_config` in their constructor; its ``mode`` says whether
+    every round is synchronous, and it checks the world size at set-up.
+    """
+
+    partial_config: PartialAllreduceConfig
+
+    @property
+    @override
+    def synchronous(self) -> bool:
+        return self.partial_config.mode == "sync"
+
+    @override
+    def validate_world(self, world_size: int) -> None:
+        self.partial_config.validate_world(world_size)

@@ -32,17 +32,14 @@ fit; test loss 0.568 and 78.12% accuracy at the defaults):
 from __future__ import annotations
 
 import math
-from datetime import timedelta
-from typing import Literal, Optional
+from typing import Optional
 
-import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.plugins.precision import Precision
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
-import lightning.pytorch as pl
+from lightning_partial.collectives.checks import is_int_at_least
 from lightning_partial.collectives.schedules import ButterflySchedule, Schedule
-from lightning_partial.strategies.model_averaging import ModelAveragingStrategy, ScheduleSource
+from lightning_partial.strategies.model_averaging import ModelAveragingStrategy
+from lightning_partial.strategies.options import AveragingOptions
 
 
 def default_group_size(world_size: int) -> int:
@@ -66,42 +63,16 @@ class WAGMAStrategy(ModelAveragingStrategy):
 
     def __init__(
         self,
-        accelerator: Optional["pl.accelerators.Accelerator"] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
         *,
         group_size: Optional[int] = None,
         global_every: Optional[int] = 10,
-        mode: str = "solo",
-        quorum: Optional[int] = None,
-        normalize: str = "group",
-        late: str = "damp",
-        stale: str = "skip",
-        order: str = "step_then_average",
         max_staleness: Optional[int] = None,
-        measure_every: Optional[int] = None,
-        seed: int = 0,
-        schedule: Optional[ScheduleSource] = None,
-        timeout: timedelta = timedelta(minutes=30),
-        collective_timeout: timedelta = timedelta(seconds=60),
-        process_group_backend: Optional[str] = None,
-        start_method: Literal["popen", "spawn"] = "popen",
+        **kwargs: Unpack[AveragingOptions],
     ) -> None:
-        if group_size is not None and (
-            isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
-            or group_size & (group_size - 1)
-        ):
+        if group_size is not None and (not is_int_at_least(group_size, 1) or group_size & (group_size - 1)):
             raise ValueError(f"group_size must be a power of two >= 1, got {group_size!r}")
         self.group_size = group_size
-        super().__init__(
-            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            mode=mode, quorum=quorum, normalize=normalize, late=late, stale=stale, global_every=global_every,
-            order=order, max_staleness=max_staleness, measure_every=measure_every, seed=seed, schedule=schedule,
-            timeout=timeout, collective_timeout=collective_timeout,
-            process_group_backend=process_group_backend, start_method=start_method,
-        )
+        super().__init__(global_every=global_every, max_staleness=max_staleness, **kwargs)
 
     @override
     def default_schedule(self, world_size: int) -> Schedule:

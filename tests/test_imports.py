@@ -1,0 +1,91 @@
+"""Importing lightning_partial: the engine without Lightning, the strategy names registered either way.
+
+Each case runs in a fresh interpreter (``sys.modules`` of this one has Lightning already),
+with this checkout first on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python(code: str) -> None:
+    """Runs ``code`` in a new interpreter; fails with its output if it exits non-zero."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "could not register" not in done.stderr, done.stderr
+
+
+def test_the_engine_imports_without_lightning() -> None:
+    run_python(f"""
+        import sys
+        import lightning_partial.collectives
+        assert lightning_partial.__file__.startswith({str(ROOT)!r}), lightning_partial.__file__
+        assert "lightning" not in sys.modules, sorted(m for m in sys.modules if m.startswith("lightning."))
+    """)
+
+
+@pytest.mark.parametrize("first", ["lightning_partial", "lightning"])
+def test_the_strategy_names_are_registered_in_either_import_order(first: str) -> None:
+    imports = ("import lightning_partial\nimport lightning.pytorch as pl" if first == "lightning_partial"
+               else "import lightning.pytorch as pl\nimport lightning_partial")
+    run_python(imports + """
+import sys
+from lightning_partial._registration import _RegisterAfterImport
+names = ("eager_sgd", "eager_sgd_majority", "eager_sgd_backup", "wagma_sgd", "ds_sync", "abs_sgd")
+for name in names:
+    assert name in pl.strategies.StrategyRegistry and name + "_spawn" in pl.strategies.StrategyRegistry, name
+assert not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path)  # the hook removed itself
+assert type(pl.__spec__.loader).__name__ == type(pl.__loader__).__name__ == "SourceFileLoader"
+""")
+
+
+def test_import_lightning_then_trainer_by_name() -> None:
+    run_python("""
+        import lightning_partial
+        import lightning as L
+        trainer = L.Trainer(strategy="eager_sgd", accelerator="cpu", devices=1, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        assert type(trainer.strategy).__name__ == "EagerSGDStrategy"
+    """)
+
+
+def test_strategy_classes_from_the_package() -> None:
+    run_python("""
+        import sys
+        import lightning_partial
+        assert "lightning" not in sys.modules  # nothing loaded until a strategy is asked for
+        from lightning_partial import ABSSGDStrategy, DSSyncStrategy, EagerSGDStrategy, WAGMAStrategy
+        from lightning_partial.strategies import EagerSGDStrategy as same
+        assert EagerSGDStrategy is same and EagerSGDStrategy().strategy_name == "eager_sgd"
+        from lightning.pytorch.strategies import StrategyRegistry
+        assert StrategyRegistry["wagma_sgd"]["strategy"] is WAGMAStrategy
+    """)
+
+
+def test_the_hook_is_idempotent() -> None:
+    run_python("""
+        import sys
+        import lightning_partial
+        from lightning_partial import _registration
+        _registration.install()
+        _registration.install()
+        assert sum(isinstance(f, _registration._RegisterAfterImport) for f in sys.meta_path) == 1
+        import lightning.pytorch
+        from lightning_partial.strategies import register_strategies
+        register_strategies()
+        _registration.install()  # Lightning imported: registers again, harmlessly
+        assert not any(isinstance(f, _registration._RegisterAfterImport) for f in sys.meta_path)
+        assert "eager_sgd" in lightning.pytorch.strategies.StrategyRegistry
+    """)
