@@ -24,7 +24,7 @@ import sys
 
 if "--spy" in sys.argv:
     # Before Lightning is imported, so that every module it calls through is patched.
-    from exact import install_spy  # tests/scripts/exact.py: the default-group collective counter
+    from tests.scripts.exact import install_spy  # the default-group collective counter
 
     install_spy()
 
@@ -163,7 +163,7 @@ def parse_speed(text: str) -> list[float]:
 
 
 def main() -> None:
-    from ports import ensure_master_port  # tests/scripts/ports.py: a port outside the ephemeral range
+    from tests.scripts.ports import ensure_master_port  # a port outside the ephemeral range
 
     ensure_master_port()
     parser = argparse.ArgumentParser()
