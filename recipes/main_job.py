@@ -219,11 +219,6 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def wandb_runs(directory: Path) -> set[Path]:
-    """The offline W&B run directories under ``directory``."""
-    return set((directory / "wandb").glob("offline-run-*")) if (directory / "wandb").is_dir() else set()
-
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -262,7 +257,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    before = wandb_runs(args.out)
+    if args.logger == "wandb":
+        from lightning_partial.loggers import offline_runs  # the fits' logger writes them
+
+        before = offline_runs(args.out)
     results: dict[str, dict[str, Any]] = {}
     for strategy in args.strategy_list:
         if strategy == "abs_sgd" and not abs_sgd_available():
@@ -288,13 +286,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     (args.out / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
     if any(e.get("summary") for e in results.values()):
         plot(results, args.out / "main_job.png", title)
-    new_runs = sorted(wandb_runs(args.out) - before)
     print()
     print(table(results, chance))
     print()
     print(f"main job: {len(results)} fits in {total:.0f} s; results {args.out / 'results.json'}, "
           f"plot {args.out / 'main_job.png'}")
     if args.logger == "wandb":
+        new_runs = sorted(offline_runs(args.out) - before)
         print(f"W&B offline runs ({len(new_runs)}): " + (", ".join(str(p) for p in new_runs) or "none"))
         if new_runs:
             print(f"upload later with: wandb sync {new_runs[0].parent}/offline-run-*")
