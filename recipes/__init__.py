@@ -7,5 +7,5 @@ Without ``--data.data_dir`` every recipe trains on built-in data that needs no
 download. ``recipes/main_job.py`` compares the strategies on one recipe.
 
 This folder is not an installed package: run the scripts from the repository
-root (``python recipes/cifar_resnet.py fit`` or ``python -m recipes.cifar_resnet fit``).
+root (``python -m recipes.cifar_resnet fit`` or ``python -m recipes.cifar_resnet fit``).
 """
