@@ -21,7 +21,7 @@ import signal
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -31,6 +31,14 @@ log = logging.getLogger("benchmarks.harness")
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
+
+
+#: The Trainer options of every benchmark fit: nothing but the fit (no logger, checkpoints,
+#: progress bar, model summary or sanity check), so that only the strategy differs between fits.
+BARE_TRAINER: dict[str, Any] = {
+    "logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+}
 
 
 def module_command(module: str, *argv: str) -> list[str]:
@@ -151,7 +159,7 @@ def kill_group(pgid: int) -> None:
 
 
 __all__ = [
-    "RANK_VARIABLES", "REPO", "RESULTS", "add_steal_arguments", "cpu_ticks", "free_port", "kill_group",
+    "BARE_TRAINER", "RANK_VARIABLES", "REPO", "RESULTS", "add_steal_arguments", "cpu_ticks", "free_port", "kill_group",
     "launch_environment", "live_group_members", "module_command", "package_version", "positive_int",
     "retry_while_stolen", "set_threads", "steal_between", "thread_environment",
 ]

@@ -98,6 +98,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness import (
+    BARE_TRAINER,
     REPO,
     RESULTS,
     add_steal_arguments,
@@ -268,8 +269,8 @@ def run_worker(args: argparse.Namespace) -> int:
         strategy = "ddp"
     model = Net()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=4, plugins=[LightningEnvironment()],
-                        max_epochs=args.abs_epochs if args.run == "abs_sgd" else 1, callbacks=callbacks, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+                        max_epochs=args.abs_epochs if args.run == "abs_sgd" else 1, callbacks=callbacks,
+                        **BARE_TRAINER)
     assert lightning_partial  # registers abs_sgd
     trainer.fit(model, loader)
     t_end = time.perf_counter()

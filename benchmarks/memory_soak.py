@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness import (
+    BARE_TRAINER,
     REPO,
     RESULTS,
     free_port,
@@ -170,11 +171,7 @@ def run_worker(args: argparse.Namespace) -> int:
         plugins=[LightningEnvironment()],  # the 2 local ranks, whatever cluster environment is around
         max_steps=args.steps,
         callbacks=[sampler],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **BARE_TRAINER,
         limit_val_batches=0,
     )
     t0 = time.perf_counter()

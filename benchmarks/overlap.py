@@ -137,6 +137,7 @@ from typing import Any, Optional
 import torch
 
 from benchmarks.harness import (
+    BARE_TRAINER,
     REPO,
     RESULTS,
     free_port,
@@ -712,11 +713,7 @@ def run_fit(args: argparse.Namespace) -> int:
             precision=args.precision,
             max_steps=total_steps,
             max_epochs=-1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
+            **BARE_TRAINER,
             limit_val_batches=0,
             benchmark=True if args.cudnn_benchmark else None,
             callbacks=callbacks,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import cpu_ticks, set_threads, steal_between
+from benchmarks.harness import BARE_TRAINER, cpu_ticks, set_threads, steal_between
 from benchmarks.imbalance.configs import CONFIGS, WORLD, Config
 from benchmarks.imbalance.task import (
     TRAIN_EVAL_SAMPLES,
@@ -238,11 +238,7 @@ def run_worker(args: argparse.Namespace) -> int:
         plugins=[LightningEnvironment()],
         max_steps=args.steps,
         callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **BARE_TRAINER,
     )
     recorder.wrap_strategy_end(trainer.strategy)
     trainer.fit(model, loader)
