@@ -188,7 +188,7 @@ class RecipeCLI(LightningCLI):
     def _fail(self, error: Exception) -> None:
         """One line on stderr naming the option, exit status 2 (as a command-line usage error)."""
         subcommand = getattr(self, "subcommand", None) or self.config.get("subcommand")
-        where = f"recipes/{self.recipe}.py {subcommand or ''}".rstrip()
+        where = f"python -m recipes.{self.recipe} {subcommand or ''}".rstrip()  # the command, as argparse names it
         print(f"{where}: error: {error}", file=sys.stderr)
         raise SystemExit(2)
 
