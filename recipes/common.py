@@ -38,7 +38,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-import lightning_partial  # noqa: F401 - registers eager_sgd, eager_sgd_majority, wagma_sgd, ds_sync (and abs_sgd)
+import lightning_partial  # noqa: F401 - registers eager_sgd, eager_sgd_majority, eager_sgd_backup, wagma_sgd, ds_sync, abs_sgd
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
@@ -74,8 +74,6 @@ def check_strategy(value: Any) -> None:
     registered = registered_strategies()
     if value in registered or value in _LIGHTNING_NAMES:
         return
-    if value == "abs_sgd":
-        raise RecipeConfigError("trainer.strategy", "abs_sgd is not registered by this version of lightning_partial")
     raise RecipeConfigError(
         "trainer.strategy",
         f"unknown strategy {value!r}; choose one of {', '.join(s for s in STRATEGIES if s in registered)} "
