@@ -126,7 +126,6 @@ def calibrate(
     return result
 
 
-
 def run_fit(config: Config, tag: str, args: argparse.Namespace, delay_ms: float) -> list[dict] | None:
     """Runs one configuration as a 4-process fit in its own process group; returns the 4 rank records."""
     cmd = module_command(
@@ -168,7 +167,6 @@ def run_fit(config: Config, tag: str, args: argparse.Namespace, delay_ms: float)
         return None
     log.info("%s: done in %.0f s (fit, start-up and evaluation)", tag, elapsed)
     return [json.loads(p.read_text()) for p in paths]
-
 
 
 def run_parent(args: argparse.Namespace) -> dict[str, Any]:
@@ -285,7 +283,6 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     log.info("wrote %s", " and ".join(written))
     print_table(results, args.repeats)
     return summary
-
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
