@@ -8,7 +8,7 @@
 # OUT_DIR (default /tmp) receives each benchmark's log, its JSON and PNG (also written to
 # benchmarks/results/*_16core.*) and cores16_env.txt: at most 7 files. Each file is copied as soon as its
 # benchmark ends, so a run cut short still leaves the first one's results. lightning_partial need not be
-# installed (the benchmarks put the repository's root on their workers' PYTHONPATH); matplotlib is optional.
+# installed (run from the repository's root, every benchmark and worker is a python -m module); matplotlib is optional.
 #
 # Settings against the 2-core runs: benchmarks.imbalance as there (every default configuration, 250 steps, 1 repeat,
 # D = 2 x the calibrated concurrent step, now of 3-thread processes); benchmarks.heterogeneity as there except

@@ -72,8 +72,9 @@ printed at the end). With ``--thread-cpu`` the role ``other`` then holds the
 intra-op threads too. The JSON records ``threads`` and the environment (cores,
 versions).
 
-The package need not be installed: the fits' processes get the repository's
-root on ``PYTHONPATH``; matplotlib is optional (without it, no PNG).
+Run from the repository's root; the package need not be installed (the fits
+run as ``python -m benchmarks.heterogeneity --run NAME`` in that directory);
+matplotlib is optional (without it, no PNG).
 
 Run: ``python -m benchmarks.heterogeneity`` (about 5-6 minutes, on an idle machine);
 ``python -m benchmarks.heterogeneity --threads 3 --out benchmarks/results/heterogeneity_16core.json`` on 16 cores.
