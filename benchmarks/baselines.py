@@ -1,4 +1,4 @@
-"""Baseline strategies for ``benchmarks/imbalance.py``: post-local SGD and a no-communication bound on CPU.
+"""Baseline strategies for ``python -m benchmarks.imbalance``: post-local SGD and a no-communication bound on CPU.
 
 Both are :class:`~lightning.pytorch.strategies.DDPStrategy` subclasses, so that
 they run exactly the code a Lightning user would run today, with three

@@ -8,10 +8,10 @@
 # OUT_DIR (default /tmp) receives each benchmark's log, its JSON and PNG (also written to
 # benchmarks/results/*_16core.*) and cores16_env.txt: at most 7 files. Each file is copied as soon as its
 # benchmark ends, so a run cut short still leaves the first one's results. lightning_partial need not be
-# installed (the benchmarks put the repository's root on their workers' PYTHONPATH); matplotlib is optional.
+# installed (run from the repository's root, every benchmark and worker is a python -m module); matplotlib is optional.
 #
-# Settings against the 2-core runs: imbalance.py as there (every default configuration, 250 steps, 1 repeat,
-# D = 2 x the calibrated concurrent step, now of 3-thread processes); heterogeneity.py as there except
+# Settings against the 2-core runs: benchmarks.imbalance as there (every default configuration, 250 steps, 1 repeat,
+# D = 2 x the calibrated concurrent step, now of 3-thread processes); benchmarks.heterogeneity as there except
 # HET_REPEATS (default 2, the 2-core run had 3) so that both fit in about 8 minutes. Both: --threads 3
 # (THREADS), --steal-retries 1 (2 by default) to bound the time a fit the hypervisor stole from can add.
 # Measured on the H100 machine's 16 cores: about 45 s per fit (start-up, 250 steps, evaluation), so
@@ -26,7 +26,7 @@ PYTHON="${PYTHON:-python3}"
 THREADS="${THREADS:-3}"
 HET_REPEATS="${HET_REPEATS:-2}"
 STEAL_RETRIES="${STEAL_RETRIES:-1}"
-IMB_ONLY="${IMB_ONLY:-}"  # a comma-separated subset of imbalance.py's configurations (default: all)
+IMB_ONLY="${IMB_ONLY:-}"  # a comma-separated subset of benchmarks.imbalance's configurations (default: all)
 export PYTHONUNBUFFERED=1
 
 case "$WHICH" in
@@ -57,7 +57,7 @@ run() {  # run NAME ARGS...: one benchmark, logged to OUT_DIR/NAME_16core.log; i
   local log="$OUT_DIR/${name}_16core.log" start=$SECONDS status=0
   rm -f "$RESULTS/${name}_16core.json" "$RESULTS/${name}_16core.png"  # never copy an earlier run's
   echo "=== $name: $*" | tee "$log"
-  "$PYTHON" "benchmarks/$name.py" "$@" --threads "$THREADS" --steal-retries "$STEAL_RETRIES" \
+  "$PYTHON" -m "benchmarks.$name" "$@" --threads "$THREADS" --steal-retries "$STEAL_RETRIES" \
     --out "$RESULTS/${name}_16core.json" 2>&1 | tee -a "$log" || status=$?
   echo "=== $name: exit $status after $((SECONDS - start)) s" | tee -a "$log"
   for f in "$RESULTS/${name}_16core.json" "$RESULTS/${name}_16core.png"; do

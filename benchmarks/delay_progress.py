@@ -1,6 +1,6 @@
 """What a one-round delay costs in progress per sample, on the heterogeneity benchmark's cnn task (one process).
 
-``benchmarks/heterogeneity.py`` measures time to DDP's final loss; whether abs_sgd can reach it in less time
+``python -m benchmarks.heterogeneity`` measures time to DDP's final loss; whether abs_sgd can reach it in less time
 depends on two things: its throughput, and how many samples it needs to reach that loss. This script isolates
 the second. It trains the benchmark's cnn (same data, same plain SGD) sequentially, in one process, with
 rounds of ``B`` samples whose mean gradient is applied ``delay`` rounds late (``delay=1`` is abs_sgd's rule
@@ -12,7 +12,7 @@ No communication and no imbalance: only the arithmetic of the update rule. Round
 replacement (the benchmark shuffles epochs), one seed. Results on this machine are in
 docs/benchmarks.md (heterogeneity section).
 
-Run: ``.venv/bin/python benchmarks/delay_progress.py`` (about 2 minutes on 2 cores).
+Run: ``python -m benchmarks.delay_progress`` (about 2 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -20,15 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from heterogeneity import DEFAULT_LR, build_cnn, image_task, train_samples  # noqa: E402
+from benchmarks.harness import RESULTS
+from benchmarks.heterogeneity import DEFAULT_LR, build_cnn, image_task, train_samples
 
 log = logging.getLogger("delay_progress")
 
@@ -68,7 +65,7 @@ def main() -> int:
                         help="the benchmark's --batch-size (dataset = steps x 4 x batch size, as there)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/lightning_partial_heterogeneity"))
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "delay_progress.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "delay_progress.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args.workdir.mkdir(parents=True, exist_ok=True)

@@ -18,8 +18,8 @@ One invocation, 4 CPU ranks (processes, gloo over loopback), three measurements:
 
 Usage::
 
-    python benchmarks/engine.py                 # 3 runs (~2 min); writes benchmarks/results/engine.json
-    python benchmarks/engine.py --repeat 1      # one run
+    python -m benchmarks.engine                 # 3 runs (~2 min); writes benchmarks/results/engine.json
+    python -m benchmarks.engine --repeat 1      # one run
 """
 
 from __future__ import annotations

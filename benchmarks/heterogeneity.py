@@ -10,7 +10,7 @@ Two tasks (``--model``):
   SGD lr 0.4. Like the paper's ResNet-18 it does much computation per
   parameter: one round's allreduce carries 118 KB for 18 ms of computation per
   128-sample micro-batch.
-* ``mlp``: the imbalance benchmark's task and model (``benchmarks/imbalance.py``:
+* ``mlp``: the imbalance benchmark's task and model (``benchmarks/imbalance/task.py``:
   teacher-labelled 10-class data, MLP 32-512-512-512-10); plain SGD lr 0.15. It
   does about one multiply-add per parameter and sample: one round's allreduce
   (2.2 MB, about 6.5 ms of a rank's CPU on loopback) costs more CPU than a
@@ -49,9 +49,7 @@ trades throughput (fewer allreduces) against progress per sample (fewer,
 larger updates): ``benchmarks/delay_progress.py`` measures the second.
 
 ``--reference-samples B`` gives abs_sgd the linear scaling rule per round
-(``ABSSGDStrategy(reference_samples=B)``); ``--abs-lr`` its own learning rate;
-``--requesters 0`` is an experiment (a patch of the engine's trigger in the
-workers, not a library option): only rank 0 requests rounds.
+(``ABSSGDStrategy(reference_samples=B)``); ``--abs-lr`` its own learning rate.
 The three fits run ``--repeats`` (3) times, interleaved; the report holds
 medians, each repeat's figures and the host's steal time per fit, and a fit
 during which the host stole more than ``--max-steal`` (5%) of the CPU runs
@@ -74,11 +72,12 @@ printed at the end). With ``--thread-cpu`` the role ``other`` then holds the
 intra-op threads too. The JSON records ``threads`` and the environment (cores,
 versions).
 
-The package need not be installed: the fits' processes get the repository's
-root on ``PYTHONPATH``; matplotlib is optional (without it, no PNG).
+Run from the repository's root; the package need not be installed (the fits
+run as ``python -m benchmarks.heterogeneity --run NAME`` in that directory);
+matplotlib is optional (without it, no PNG).
 
-Run: ``.venv/bin/python benchmarks/heterogeneity.py`` (about 5-6 minutes, on an idle machine);
-``python3 benchmarks/heterogeneity.py --threads 3 --out benchmarks/results/heterogeneity_16core.json`` on 16 cores.
+Run: ``python -m benchmarks.heterogeneity`` (about 5-6 minutes, on an idle machine);
+``python -m benchmarks.heterogeneity --threads 3 --out benchmarks/results/heterogeneity_16core.json`` on 16 cores.
 """
 
 from __future__ import annotations
@@ -91,7 +90,6 @@ import math
 import os
 import platform
 import subprocess
-import sys
 import threading
 import time
 from importlib import metadata
@@ -100,23 +98,26 @@ from typing import Any
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from imbalance import (  # noqa: E402
-    IN_DIM,
-    BatchDataset,
+from benchmarks.harness import (
+    BARE_TRAINER,
+    REPO,
+    RESULTS,
     add_steal_arguments,
-    batch_collate,
-    build_mlp,
     cpu_ticks,
-    evaluate,
-    make_task,
+    module_command,
     positive_int,
     retry_while_stolen,
     set_threads,
     steal_between,
     thread_environment,
+)
+from benchmarks.imbalance.task import (
+    IN_DIM,
+    BatchDataset,
+    batch_collate,
+    build_mlp,
+    evaluate,
+    make_task,
 )
 
 SPEED = (1.0, 1.0, 0.5, 0.25)
@@ -150,7 +151,6 @@ def image_task(seed: int, train_samples: int, workdir: Path) -> dict[str, torch.
     path = workdir / f"images.seed{seed}.n{train_samples}.pt"
     if path.exists():
         return torch.load(path)
-    sys.path.insert(0, str(HERE.parent))  # the recipes package, at the repository's root
     from recipes.data.images import ClassImages
 
     images = ClassImages(train_samples + IMAGE_TEST_SAMPLES, num_classes=10, image_size=IMAGE_SIZE,
@@ -198,8 +198,6 @@ def clock_check(args: argparse.Namespace, steps: int = 20) -> dict[str, float]:
 
 def run_worker(args: argparse.Namespace) -> int:
     set_threads(args.threads)
-    if str(HERE.parent) not in sys.path:  # lightning_partial from a checkout (the parent also sets PYTHONPATH)
-        sys.path.append(str(HERE.parent))
     # Before the fit (and the seed): rank 0 alone, then ranks 1-3 while rank 0 waits for them.
     checked = clock_check(args) if args.threads > 1 else None
     import lightning as L
@@ -251,14 +249,6 @@ def run_worker(args: argparse.Namespace) -> int:
                 # CPU with them) once the fit has ended.
                 self.cpu_last = thread_cpu()
 
-    if args.run == "abs_sgd" and args.requesters is not None:
-        # An experiment, not a library option: only these ranks request rounds (the others still
-        # contribute to every round), so that one fast rank paces the rounds.
-        from lightning_partial.collectives.delayed import DelayedAllreduce
-
-        requesters = set(args.requesters)
-        trigger_met = DelayedAllreduce._trigger_met
-        DelayedAllreduce._trigger_met = lambda self, pending: self.rank in requesters and trigger_met(self, pending)
     clock = Clock()
     callbacks: list[Any] = [clock, LoadImbalance(speed=args.speed, log=False)]
     if args.run == "abs_sgd":
@@ -273,15 +263,15 @@ def run_worker(args: argparse.Namespace) -> int:
         if args.adaptive:
             callbacks.append(AdaptiveBatchSize(window=8, log=False))
     elif args.run == "no_comm":
-        from baselines import NoCommStrategy
+        from benchmarks.baselines import NoCommStrategy
 
         strategy = NoCommStrategy()
     else:
         strategy = "ddp"
     model = Net()
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=4, plugins=[LightningEnvironment()],
-                        max_epochs=args.abs_epochs if args.run == "abs_sgd" else 1, callbacks=callbacks, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+                        max_epochs=args.abs_epochs if args.run == "abs_sgd" else 1, callbacks=callbacks,
+                        **BARE_TRAINER)
     assert lightning_partial  # registers abs_sgd
     trainer.fit(model, loader)
     t_end = time.perf_counter()
@@ -391,9 +381,8 @@ def worker_command(args: argparse.Namespace, name: str) -> list[str]:
     """The command line of configuration ``name``'s fit: every option the workers read, as the parent has it."""
     optional = {"--target-samples": args.target_samples, "--interval": args.interval,
                 "--reference-samples": args.reference_samples, "--abs-lr": args.abs_lr,
-                "--abs-batch-size": args.abs_batch_size,
-                "--requesters": None if args.requesters is None else ",".join(map(str, args.requesters))}
-    return [sys.executable, str(Path(__file__).resolve()), "--run", name, "--model", args.model,
+                "--abs-batch-size": args.abs_batch_size}
+    return [*module_command("benchmarks.heterogeneity"), "--run", name, "--model", args.model,
             "--workdir", str(args.workdir), "--seed", str(args.seed), "--steps", str(args.steps),
             "--batch-size", str(args.batch_size), "--speed", ",".join(map(str, args.speed)),
             *[item for option, value in optional.items() if value is not None for item in (option, str(value))],
@@ -407,7 +396,7 @@ def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """One 4-process fit of configuration ``name``; its figures, rank 0's loss curve and the CPU stolen meanwhile."""
     for stale in args.workdir.glob(f"{name}.rank*.json"):
         stale.unlink()
-    subprocess.run(worker_command(args, name), check=True, timeout=900,
+    subprocess.run(worker_command(args, name), check=True, timeout=900, cwd=REPO,
                    env={**os.environ, **thread_environment(args.threads), "PYTHONWARNINGS": "ignore"})
     files = [args.workdir / f"{name}.rank{r}.json" for r in range(4)]
     # The launcher (rank 0) may exit before the other ranks wrote (no_comm ends without a barrier).
@@ -500,7 +489,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": args.model, "seed": args.seed, "lr": args.lr, "abs_lr": args.abs_lr, "momentum": args.momentum,
             "staleness_rule": args.staleness_rule,
             "speed": args.speed, "target_samples": args.target_samples if args.interval is None else None,
-            "interval": args.interval, "requesters": args.requesters, "reference_samples": args.reference_samples,
+            "interval": args.interval, "reference_samples": args.reference_samples,
             "adaptive": args.adaptive,
             "abs_epochs": args.abs_epochs, "steps": args.steps, "batch_size": args.batch_size,
             "abs_batch_size": args.abs_batch_size, "repeats": args.repeats, "threads": args.threads,
@@ -555,7 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_steal_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3,
                         help="rounds of the three fits, interleaved; medians are reported (the host is noisy)")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "heterogeneity.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "heterogeneity.json")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/lightning_partial_heterogeneity"))
     parser.add_argument("--speed", type=lambda v: tuple(float(x) for x in v.split(",")), default=SPEED,
                         help="per-rank speed factors (default 1,1,0.5,0.25)")
@@ -563,8 +552,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="abs_sgd's target_samples (default 256: two of the fastest rank's micro-batches)")
     parser.add_argument("--interval", type=float, default=None,
                         help="abs_sgd with trigger='time' and this interval in seconds (instead of --target-samples)")
-    parser.add_argument("--requesters", type=lambda v: tuple(int(x) for x in v.split(",")), default=None,
-                        help="an experiment: only these ranks request rounds (e.g. 0); default: every rank")
     parser.add_argument("--reference-samples", type=int, default=None,
                         help="abs_sgd's reference_samples (the linear scaling rule per round; default: none, "
                              "the paper's sample-weighted mean)")

@@ -20,10 +20,10 @@ finding what grows, not for the figures).
 
 Usage::
 
-    python benchmarks/memory_soak.py                          # writes benchmarks/results/memory_soak.json
-    python benchmarks/memory_soak.py --steps 3000 --strategies eager_sgd,abs_sgd
+    python -m benchmarks.memory_soak                          # writes benchmarks/results/memory_soak.json
+    python -m benchmarks.memory_soak --steps 3000 --strategies eager_sgd,abs_sgd
 
-Each fit runs as a subprocess of this file in worker mode (``--run STRATEGY``;
+Each fit runs as a subprocess of this module in worker mode (``--run STRATEGY``;
 Lightning re-runs that command line for rank 1) in its own process group,
 killed as a whole after ``--timeout`` seconds.
 """
@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import platform
-import signal
 import subprocess
 import sys
 import time
@@ -47,13 +46,18 @@ from typing import Any
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO))  # `recipes` is not an installed package
-
-from imbalance import BatchDataset, batch_collate, build_mlp, set_threads, thread_environment  # noqa: E402
-from recipes.main_job import RANK_VARIABLES, free_port  # noqa: E402
+from benchmarks.harness import (
+    BARE_TRAINER,
+    REPO,
+    RESULTS,
+    free_port,
+    kill_group,
+    launch_environment,
+    module_command,
+    set_threads,
+    thread_environment,
+)
+from benchmarks.imbalance.task import BatchDataset, batch_collate, build_mlp
 
 log = logging.getLogger("benchmarks.memory_soak")
 
@@ -167,11 +171,7 @@ def run_worker(args: argparse.Namespace) -> int:
         plugins=[LightningEnvironment()],  # the 2 local ranks, whatever cluster environment is around
         max_steps=args.steps,
         callbacks=[sampler],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
+        **BARE_TRAINER,
         limit_val_batches=0,
     )
     t0 = time.perf_counter()
@@ -225,14 +225,13 @@ def run_fit(args: argparse.Namespace, strategy: str) -> tuple[list[dict], float]
     paths = [args.workdir / f"{strategy}.rank{r}.json" for r in range(WORLD)]
     for stale in paths:
         stale.unlink(missing_ok=True)
-    cmd = [
-        sys.executable, str(Path(__file__).resolve()), "--run", strategy, "--workdir", str(args.workdir),
+    cmd = module_command(
+        "benchmarks.memory_soak", "--run", strategy, "--workdir", str(args.workdir),
         "--steps", str(args.steps), "--every", str(args.every), "--reference-step", str(args.reference_step),
         "--batch-size", str(args.batch_size), "--seed", str(args.seed),
         *(["--tracemalloc"] if args.tracemalloc else []),
-    ]
-    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
-    env.update(thread_environment(1), PYTHONUNBUFFERED="1", MASTER_PORT=str(free_port()))
+    )
+    env = launch_environment(**thread_environment(1), PYTHONUNBUFFERED="1", MASTER_PORT=str(free_port()))
     log_path = args.workdir / f"{strategy}.log"
     t0 = time.monotonic()
     with open(log_path, "w") as out:
@@ -244,10 +243,7 @@ def run_fit(args: argparse.Namespace, strategy: str) -> tuple[list[dict], float]
         except subprocess.TimeoutExpired:
             rc = None
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # nothing outlives its fit
-            except ProcessLookupError:
-                pass
+            kill_group(proc.pid)  # nothing outlives its fit
             proc.wait()
     wall = time.monotonic() - t0
     if rc != 0 or not all(p.exists() for p in paths):
@@ -357,7 +353,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20_000, help="optimizer steps per fit (max_steps)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "memory_soak.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "memory_soak.json")
     parser.add_argument("--every", type=int, default=500, help="steps between samples")
     parser.add_argument("--reference-step", type=int, default=2000, help="the step the end is compared with")
     parser.add_argument("--tolerance", type=float, default=0.10, help="largest allowed deviation from the reference")

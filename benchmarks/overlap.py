@@ -104,13 +104,13 @@ tiny``: a small conv net on 3x32x32 images, 10 classes; batch 8; 2 warm-up
 and 6 timed steps; ``32-true``; ``accelerator="cpu"`` (gloo); profiler CPU
 only; one repeat) in 15-30 s on 2 cores.
 
-Run (GPU machine, repository root; ``lightning_partial`` need not be
-installed: the script puts the repository's root on ``sys.path`` and the
-subprocesses' ``PYTHONPATH``)::
+Run (GPU machine, from the repository root; ``lightning_partial`` need not be
+installed: each configuration runs as ``python -m benchmarks.overlap --run CFG``
+in that directory)::
 
-    python3 benchmarks/overlap.py --profile                  # ~2-3 min on an H100
-    python3 benchmarks/overlap.py --profile --trace-dir benchmarks/results/overlap_traces
-    .venv/bin/python benchmarks/overlap.py --smoke           # CPU check, ~20 s: benchmarks/out/overlap_smoke.json
+    python -m benchmarks.overlap --profile                  # ~2-3 min on an H100
+    python -m benchmarks.overlap --profile --trace-dir benchmarks/results/overlap_traces
+    python -m benchmarks.overlap --smoke                    # CPU check, ~20 s: benchmarks/out/overlap_smoke.json
 """
 
 from __future__ import annotations
@@ -126,34 +126,32 @@ import os
 import platform
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-if str(REPO) not in sys.path:  # lightning_partial from a checkout (the subprocesses also get PYTHONPATH)
-    sys.path.append(str(REPO))
+from benchmarks.harness import (
+    BARE_TRAINER,
+    REPO,
+    RESULTS,
+    free_port,
+    launch_environment,
+    module_command,
+    package_version,
+)
 
 log = logging.getLogger("benchmarks.overlap")
 
 CONFIGS: dict[str, str] = {"ddp": "ddp", "eager_sgd": "eager_sgd", "auto": "auto"}
-DEFAULT_OUT = HERE / "results" / "overlap.json"
-SMOKE_OUT = HERE / "out" / "overlap_smoke.json"  # benchmarks/out/ is git-ignored
+DEFAULT_OUT = RESULTS / "overlap.json"
+SMOKE_OUT = REPO / "benchmarks" / "out" / "overlap_smoke.json"  # benchmarks/out/ is git-ignored
 THRESHOLD = 0.05  # the issue's: more than 5% slower -> build bucketed arrival
-# Environment variables that would make a subprocess believe it is a rank started by someone else.
-_RANK_VARIABLES = (
-    "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID", "GROUP_RANK", "LOCAL_WORLD_SIZE",
-)
 _MAX_TRACE_BYTES = 15 * 1024 * 1024  # a kept (gzipped) trace larger than this is dropped
 _COMM_RE = re.compile(r"nccl|allreduce|all_reduce", re.IGNORECASE)
 _COPY_RE = re.compile(r"memcpy|copy|catarray", re.IGNORECASE)
@@ -211,20 +209,6 @@ NOTES: dict[str, str] = {
 
 
 # --------------------------------------------------------------------------- small helpers
-def free_port() -> int:
-    """A TCP port free on the loopback interface right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def package_version(name: str) -> Optional[str]:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def code_identity() -> dict[str, Any]:
     """Which ``lightning_partial`` ran: a digest of its sources, and git's view where there is a ``.git``."""
     digest = hashlib.sha256()
@@ -729,11 +713,7 @@ def run_fit(args: argparse.Namespace) -> int:
             precision=args.precision,
             max_steps=total_steps,
             max_epochs=-1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
+            **BARE_TRAINER,
             limit_val_batches=0,
             benchmark=True if args.cudnn_benchmark else None,
             callbacks=callbacks,
@@ -864,11 +844,9 @@ def _forward_args(args: argparse.Namespace) -> list[str]:
 def run_config(args: argparse.Namespace, cfg: str, profile: bool, workdir: Path, tag: str) -> dict[str, Any]:
     """Runs one configuration in its own subprocess; returns its result (or what it left and why it failed)."""
     result_file = workdir / f"{tag}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--run", cfg, "--result-file", str(result_file)]
+    cmd = module_command("benchmarks.overlap", "--run", cfg, "--result-file", str(result_file))
     cmd += _forward_args(args) + (["--profile"] if profile else [])
-    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES and not k.startswith("SLURM_")}
-    path = env.get("PYTHONPATH", "")
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + path if path else "")
+    env = {k: v for k, v in launch_environment().items() if not k.startswith("SLURM_")}
     env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)  # the same in every configuration
     env["MASTER_ADDR"] = "127.0.0.1"
     env["MASTER_PORT"] = str(free_port())

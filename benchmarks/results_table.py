@@ -1,7 +1,7 @@
 """Writes README.md's result tables from the JSON files in benchmarks/results/.
 
-    python benchmarks/results_table.py            # rewrites the blocks in README.md
-    python benchmarks/results_table.py --check    # exit 1 if README.md differs from the JSON
+    python -m benchmarks.results_table            # rewrites the blocks in README.md
+    python -m benchmarks.results_table --check    # exit 1 if README.md differs from the JSON
 
 Two blocks of README.md are generated, each between a pair of markers:
 
@@ -10,7 +10,7 @@ Two blocks of README.md are generated, each between a pair of markers:
   its ratio to DDP's, and rank 0's held-out accuracy against DDP's.
 * ``<!-- results:begin -->`` ... ``<!-- results:end -->``: the two benchmarks
   that compare the strategies with DDP and with the no-communication bound:
-  ``imbalance.json`` (``benchmarks/imbalance.py``: eager_sgd, wagma_sgd,
+  ``imbalance.json`` (``benchmarks/imbalance/``: eager_sgd, wagma_sgd,
   ds_sync, post-local SGD; one straggler per step) and ``heterogeneity.json``
   (``benchmarks/heterogeneity.py``: abs_sgd; persistent per-rank speeds).
 
@@ -170,7 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.check:
         if updated != current:
             print(f"{args.readme}: the result tables differ from benchmarks/results/*.json;"
-                  " run python benchmarks/results_table.py", file=sys.stderr)
+                  " run python -m benchmarks.results_table", file=sys.stderr)
             return 1
         return 0
     if updated != current:

@@ -13,7 +13,7 @@ builds the linear recurrence and reports the largest ``h`` (scanned from 0)
 whose spectral radius stays below 1. Undelayed momentum SGD is stable for
 ``h < 2 (1 + mu) = 3.8`` at ``mu = 0.9``.
 
-    .venv/bin/python benchmarks/stability_model.py   # writes benchmarks/results/stability_model.json
+    .venv/bin/python -m benchmarks.stability_model   # writes benchmarks/results/stability_model.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What ``max_staleness`` alone costs under the imbalance protocol, with free communication.
 
-``benchmarks/imbalance.py`` measures eager-SGD solo against the no-communication
+``python -m benchmarks.imbalance`` measures eager-SGD solo against the no-communication
 bound under the paper's protocol: every step one of ``P`` ranks, drawn with a
 shared seed, sleeps ``D`` before its compute ``C``. This script computes the
 fraction of the bound that the staleness gate by itself leaves, with
@@ -15,11 +15,11 @@ completed. So with ``A_i(q)`` the time rank ``i`` arrives at step ``q``:
     A_i(q) = T_i(q - 1) + C + D * [i is step q's straggler]
     T_i(q) = max(A_i(q), max_j A_j(q - s))
 
-Throughput is counted as in ``imbalance.py``: the sum over ranks of
+Throughput is counted as in ``benchmarks.imbalance``: the sum over ranks of
 ``steps / T_i``, divided by the same sum for ranks that never wait (the bound).
 ``s = 0`` is DDP without communication (one straggler every step): 1.5 / 3 = 0.5.
 
-Run: ``python benchmarks/staleness_model.py`` (a second or two; no torch).
+Run: ``python -m benchmarks.staleness_model`` (a second or two; no torch).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def fraction_of_bound(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=250, help="steps per rank (imbalance.py's default)")
+    parser.add_argument("--steps", type=int, default=250, help="steps per rank (the imbalance benchmark's default)")
     parser.add_argument("--delay", type=float, default=2.0, help="straggler delay D in units of the step compute C")
     parser.add_argument("--stragglers", type=int, default=1, help="ranks that sleep each step")
     parser.add_argument("--repeats", type=int, default=200, help="seeds averaged per setting")

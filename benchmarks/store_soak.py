@@ -7,7 +7,7 @@ Reports the number of keys in the store and the process's RSS every
 
 Usage::
 
-    python benchmarks/store_soak.py --rounds 100000     # writes benchmarks/results/store_soak.json
+    python -m benchmarks.store_soak --rounds 100000     # writes benchmarks/results/store_soak.json
 """
 
 from __future__ import annotations

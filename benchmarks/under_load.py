@@ -1,6 +1,6 @@
 """Fits under load, at the default timeouts: no spurious timeout, no hang.
 
-Two scenarios per strategy, each a real 4-process fit of ``tests/scripts/fit.py``
+Two scenarios per strategy, each a real 4-process fit of ``tests/scripts/fit.py`` (``python -m tests.scripts.fit``)
 (Lightning launches the ranks) with the strategy's defaults (``timeout`` 30 min,
 ``collective_timeout`` 60 s, the heartbeat):
 
@@ -14,8 +14,8 @@ timeout or a verdict, to ``benchmarks/results/under_load.json``.
 
 Usage::
 
-    python benchmarks/under_load.py                      # all four strategies, both scenarios
-    python benchmarks/under_load.py --strategies eager_sgd --scenarios slow_rank
+    python -m benchmarks.under_load                      # all four strategies, both scenarios
+    python -m benchmarks.under_load --strategies eager_sgd --scenarios slow_rank
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 log = logging.getLogger("benchmarks.under_load")
 
 ROOT = Path(__file__).resolve().parents[1]
-FIT = ROOT / "tests" / "scripts" / "fit.py"
+FIT = "tests.scripts.fit"  # run as python -m from the repository root
 STRATEGIES = ("eager_sgd", "wagma_sgd", "ds_sync", "abs_sgd")
 SCENARIOS: dict[str, list[str]] = {
     "oversubscribed": ["--steps", "300", "--straggle-ms", "5"],
@@ -53,8 +53,8 @@ def run_fit(strategy: str, scenario: str, *, burners: int, limit_s: float) -> di
             started = time.monotonic()
             try:
                 proc = subprocess.run(
-                    [sys.executable, str(FIT), "--out", out, "--strategy", strategy, *SCENARIOS[scenario]],
-                    env=env, capture_output=True, text=True, timeout=limit_s,
+                    [sys.executable, "-m", FIT, "--out", out, "--strategy", strategy, *SCENARIOS[scenario]],
+                    env=env, cwd=ROOT, capture_output=True, text=True, timeout=limit_s,
                 )
                 code: int | None = proc.returncode
                 output = proc.stdout + proc.stderr

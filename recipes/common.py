@@ -1,4 +1,4 @@
-"""RecipeCLI: the LightningCLI every recipe script runs, and the offline W&B logger the configs use.
+"""RecipeCLI: the LightningCLI every recipe script runs.
 
 What the CLI adds to Lightning's:
 
@@ -23,22 +23,22 @@ What the CLI adds to Lightning's:
   that the strategy cannot resume (another engine family's). What only the ranks'
   set-up can tell (a data file in the wrong format, found when the data is read)
   ends the same way, before the first batch.
-* The W&B run (``OfflineWandbLogger``) is named ``<recipe>-<strategy>`` unless a
-  name is given, and finished at the end of ``fit`` on rank 0.
+* The W&B run (``lightning_partial.loggers.OfflineWandbLogger``, offline unless
+  ``WANDB_MODE`` says otherwise) is named ``<recipe>-<strategy>`` unless a name
+  is given, and finished at the end of ``fit`` on rank 0.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import os
 import re
 import sys
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-import lightning_partial  # noqa: F401 - registers eager_sgd, eager_sgd_majority, wagma_sgd, ds_sync (and abs_sgd)
+import lightning_partial  # noqa: F401 - registers eager_sgd, eager_sgd_majority, eager_sgd_backup, wagma_sgd, ds_sync, abs_sgd
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
@@ -74,45 +74,11 @@ def check_strategy(value: Any) -> None:
     registered = registered_strategies()
     if value in registered or value in _LIGHTNING_NAMES:
         return
-    if value == "abs_sgd":
-        raise RecipeConfigError("trainer.strategy", "abs_sgd is not registered by this version of lightning_partial")
     raise RecipeConfigError(
         "trainer.strategy",
         f"unknown strategy {value!r}; choose one of {', '.join(s for s in STRATEGIES if s in registered)} "
         "(or another name in Lightning's StrategyRegistry, or a Strategy class_path)",
     )
-
-
-class OfflineWandbLogger(WandbLogger):
-    """Lightning's ``WandbLogger``, offline and prompt-free unless asked otherwise (as ``lightning_partial.loggers.wandb_logger``).
-
-    ``wandb`` itself is imported only when the run starts (rank 0). Offline runs
-    land in ``<save_dir>/wandb/offline-run-*``; upload one later with
-    ``wandb sync <that directory>``.
-
-    Args:
-        project: the W&B project.
-        save_dir: where the ``wandb/`` run directory goes (created).
-        name: the run's name (default: ``<recipe>-<strategy>``, set by the CLI).
-        offline: ``None``: offline unless ``WANDB_MODE`` asks for another mode; ``True``/``False``: forced.
-        kwargs: passed on to ``WandbLogger`` (``tags``, ``group``, ``log_model``, ...).
-    """
-
-    def __init__(self, project: str = "lightning_partial", save_dir: str = "runs", name: Optional[str] = None,
-                 offline: Optional[bool] = None, **kwargs: Any) -> None:
-        import importlib.util
-
-        from lightning_partial.loggers import INSTALL_HINT
-
-        if importlib.util.find_spec("wandb") is None:
-            raise ImportError(INSTALL_HINT)
-        if offline is None:
-            offline = os.environ.get("WANDB_MODE", "offline") in ("offline", "dryrun")
-        if offline:
-            os.environ.setdefault("WANDB_MODE", "offline")
-        os.environ.setdefault("WANDB_SILENT", "true")
-        Path(save_dir).mkdir(parents=True, exist_ok=True)
-        super().__init__(project=project, save_dir=save_dir, name=name, offline=offline, **kwargs)
 
 
 def _quiet_warnings() -> None:
@@ -220,7 +186,7 @@ class RecipeCLI(LightningCLI):
     def _fail(self, error: Exception) -> None:
         """One line on stderr naming the option, exit status 2 (as a command-line usage error)."""
         subcommand = getattr(self, "subcommand", None) or self.config.get("subcommand")
-        where = f"recipes/{self.recipe}.py {subcommand or ''}".rstrip()
+        where = f"python -m recipes.{self.recipe} {subcommand or ''}".rstrip()  # the command, as argparse names it
         print(f"{where}: error: {error}", file=sys.stderr)
         raise SystemExit(2)
 

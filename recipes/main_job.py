@@ -1,14 +1,14 @@
 """The main job: one recipe on built-in data, 4 CPU processes, injected stragglers, DDP against every strategy.
 
-    .venv/bin/python recipes/main_job.py
+    python -m recipes.main_job
 
 For each strategy (``ddp`` first, then ``eager_sgd``, ``eager_sgd_majority``,
-``wagma_sgd``, ``ds_sync`` and ``abs_sgd`` where this version has it) it runs
+``eager_sgd_backup``, ``wagma_sgd``, ``ds_sync`` and ``abs_sgd``) it runs
 the reference recipe (``cifar_resnet``: a small ResNet-20 on the built-in
 images, noisy enough that DDP ends near 90% instead of saturating) as its own
 4-process fit::
 
-    python recipes/cifar_resnet.py fit --config conf/main_job.yaml --trainer.strategy <strategy> ...
+    python -m recipes.cifar_resnet fit --config conf/main_job.yaml --trainer.strategy <strategy> ...
 
 with Lightning's progress bar, a ``LoadImbalance`` straggler (1 of the 4 ranks,
 drawn per batch with a shared seed, sleeps ``imbalance.delay_ms`` before its
@@ -33,20 +33,19 @@ anything after ``--`` goes to every fit's command line (e.g.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import math
 import os
-import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+from recipes.launch import free_port, launch_environment
 
 log = logging.getLogger("recipes.main_job")
 
@@ -57,19 +56,6 @@ LABELS = {
     "eager_sgd_backup": "eager-SGD, 1 backup worker",
     "wagma_sgd": "WAGMA-SGD", "ds_sync": "DS-Sync", "abs_sgd": "ABS-SGD",
 }
-# Variables that would make a fit believe its processes were started by someone else.
-RANK_VARIABLES = (
-    "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID", "GROUP_RANK", "LOCAL_WORLD_SIZE",
-)
-
-
-def abs_sgd_available() -> bool:
-    """Whether this version of lightning_partial ships abs_sgd (without importing Lightning here: ~9 s)."""
-    try:
-        return importlib.util.find_spec("lightning_partial.strategies.abs_sgd") is not None
-    except ModuleNotFoundError:
-        return False
 
 
 def fit_command(args: argparse.Namespace, strategy: str, records: Path) -> list[str]:
@@ -79,7 +65,7 @@ def fit_command(args: argparse.Namespace, strategy: str, records: Path) -> list[
     strategy gets options of its own. The user's ``--`` options come last (they win).
     """
     command = [
-        sys.executable, str(ROOT / "recipes" / f"{args.recipe}.py"), "fit", "--config", str(args.config),
+        sys.executable, "-m", f"recipes.{args.recipe}", "fit", "--config", str(args.config),
         "--trainer.strategy", strategy, "--trainer.devices", str(args.devices),
         "--summary.out_dir", str(records), "--summary.evaluate", "true",
     ]
@@ -93,36 +79,15 @@ def fit_command(args: argparse.Namespace, strategy: str, records: Path) -> list[
     return command + list(args.extra)
 
 
-def free_port(low: int = 20000, high: int = 32000) -> int:
-    """A free port below the kernel's ephemeral range (usually 32768-60999).
-
-    Lightning's own pick binds port 0, i.e. takes a port from that range, which
-    any outgoing connection (gloo opens many, and six fits run in a row) may be
-    handed before rank 0's store binds it: a rare ``EADDRINUSE``.
-    """
-    rng = random.Random()  # not a seeded RNG: concurrent runs should not collide
-    for _ in range(200):
-        port = rng.randrange(low, high)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in [{low}, {high})")
-
-
 def run_fit(args: argparse.Namespace, strategy: str) -> dict[str, Any]:
     """One strategy's fit in its own process group (killed whole on timeout); returns its rank records."""
     records = args.out / "records" / strategy
     records.mkdir(parents=True, exist_ok=True)
     for stale in records.glob("rank*.json"):
         stale.unlink()
-    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.setdefault("WANDB_MODE", "offline")
-    env.setdefault("WANDB_SILENT", "true")
-    env["MASTER_PORT"] = str(free_port())
+    # W&B's mode is the logger's to decide (lightning_partial.loggers: offline unless WANDB_MODE says otherwise).
+    env = launch_environment(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                             MASTER_PORT=str(free_port()))
     command = fit_command(args, strategy, records)
     log.info("==> %s: %s", strategy, " ".join(command[1:]))
     t0 = time.monotonic()
@@ -190,7 +155,7 @@ def table(results: dict[str, dict[str, Any]], chance: Optional[float]) -> str:
     for name, entry in results.items():
         s = entry.get("summary")
         if s is None:
-            lines.append(f"{name:<20}  {entry.get('note') or 'failed'}")
+            lines.append(f"{name:<20}  failed")
             continue
         lines.append(
             f"{name:<20}{s['batches_per_s']:>10.2f}{s['samples_per_s']:>11.0f}{_fmt(s['x_ddp'], '.2f'):>8}"
@@ -245,11 +210,6 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def wandb_runs(directory: Path) -> set[Path]:
-    """The offline W&B run directories under ``directory``."""
-    return set((directory / "wandb").glob("offline-run-*")) if (directory / "wandb").is_dir() else set()
-
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -288,12 +248,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    before = wandb_runs(args.out)
+    if args.logger == "wandb":
+        from lightning_partial.loggers import offline_runs  # the fits' logger writes them
+
+        before = offline_runs(args.out)
     results: dict[str, dict[str, Any]] = {}
     for strategy in args.strategy_list:
-        if strategy == "abs_sgd" and not abs_sgd_available():
-            results[strategy] = {"note": "skipped: this lightning_partial has no abs_sgd", "elapsed_s": 0.0}
-            continue
         run = run_fit(args, strategy)
         results[strategy] = {"elapsed_s": run["elapsed_s"], "returncode": run["returncode"], "ranks": run["ranks"]}
         if run["ok"]:
@@ -314,17 +274,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     (args.out / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
     if any(e.get("summary") for e in results.values()):
         plot(results, args.out / "main_job.png", title)
-    new_runs = sorted(wandb_runs(args.out) - before)
     print()
     print(table(results, chance))
     print()
     print(f"main job: {len(results)} fits in {total:.0f} s; results {args.out / 'results.json'}, "
           f"plot {args.out / 'main_job.png'}")
     if args.logger == "wandb":
+        new_runs = sorted(offline_runs(args.out) - before)
         print(f"W&B offline runs ({len(new_runs)}): " + (", ".join(str(p) for p in new_runs) or "none"))
         if new_runs:
             print(f"upload later with: wandb sync {new_runs[0].parent}/offline-run-*")
-    return 0 if all(e.get("summary") or e.get("note") for e in results.values()) else 1
+    return 0 if all(e.get("summary") for e in results.values()) else 1
 
 
 if __name__ == "__main__":

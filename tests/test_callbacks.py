@@ -30,7 +30,7 @@ from lightning_partial.callbacks import LoadImbalance, StalenessTracker, draw_st
 from lightning_partial.collectives import RoundStats
 from lightning_partial.loggers import INSTALL_HINT, wandb_logger
 
-SCRIPT = Path(__file__).parent / "scripts" / "fit.py"
+SCRIPT = "tests.scripts.fit"  # run as `python -m` from the repository root
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = ("fresh", "staleness_mean", "staleness_max", "wait_ms", "activator", "contributions", "discounted", "round")
 
@@ -382,7 +382,7 @@ def fit4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     options += "--imbalance-ms 10 --stragglers 2 --imbalance-seed 11".split()
     options += ["--speed", ",".join(map(str, SPEED)), "--csv", str(out / "csv"), "--wandb", str(out / "wandb")]
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(out), *options],
+        [sys.executable, "-m", SCRIPT, "--out", str(out), *options],
         env=env,
         stdin=subprocess.DEVNULL,  # a prompt would read EOF and fail the fit
         capture_output=True,

@@ -91,7 +91,7 @@ MEMORY_ROUNDS = 50
 MEMORY_WARMUP = 5
 
 ROOT = Path(__file__).resolve().parent.parent
-FIT_SCRIPT = Path(__file__).resolve().parent / "scripts" / "cuda_fit.py"
+FIT_SCRIPT = "tests.scripts.cuda_fit"  # run as `python -m` from the repository root
 FIT_CASES = ("fp32", "bf16", "majority", "invariant")
 
 
@@ -1013,7 +1013,7 @@ def lightning_fits(tmp_path_factory):
     out = tmp_path_factory.mktemp("cuda_fit")
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    command = [sys.executable, str(FIT_SCRIPT), "--out", str(out), "--accelerator", "gpu",
+    command = [sys.executable, "-m", FIT_SCRIPT, "--out", str(out), "--accelerator", "gpu",
                "--cases", ",".join(FIT_CASES)]
     try:
         proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=420,

@@ -14,7 +14,7 @@ import torch
 import lightning_partial
 from lightning_partial import EagerSGDStrategy
 
-SCRIPT = Path(__file__).parent / "scripts" / "fit.py"
+SCRIPT = "tests.scripts.fit"  # run as `python -m` from the repository root
 
 
 def test_registry_names_resolve_to_the_right_mode_and_launcher():
@@ -62,7 +62,7 @@ FIT_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
 def fit_command(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(SCRIPT), "--out", str(out), *extra]
+    return [sys.executable, "-m", SCRIPT, "--out", str(out), *extra]
 
 
 def fit(tmp_path: Path, strategy: str, *extra: str) -> list[dict[str, torch.Tensor]]:

@@ -20,7 +20,7 @@ import torch
 
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY
 
-SCRIPT = Path(__file__).parent / "scripts" / "exact.py"
+SCRIPT = "tests.scripts.exact"  # run as `python -m` from the repository root
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 pytestmark = pytest.mark.timeout(240)
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(240)
 
 def run(out: Path, *extra: str) -> list[dict]:
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(out), *extra],
+        [sys.executable, "-m", SCRIPT, "--out", str(out), *extra],
         env=ENV,
         capture_output=True,
         text=True,
@@ -157,7 +157,7 @@ def test_processes_created_by_torchrun(tmp_path):
     """torchrun starts the 4 processes; Lightning's TorchElasticEnvironment finds them."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-        str(SCRIPT), "--out", str(tmp_path), "--strategy", "eager_sgd", "--steps", "6",
+        "-m", SCRIPT, "--out", str(tmp_path), "--strategy", "eager_sgd", "--steps", "6",
     ]
     proc = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -178,7 +178,7 @@ def test_processes_created_by_slurm(tmp_path):
             "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_NODELIST": "127.0.0.1",
             "SLURM_JOB_NAME": "lightning_partial_test", "SLURM_JOB_ID": "4242", "MASTER_PORT": str(port),
         }
-        command = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--strategy", "eager_sgd", "--steps", "6"]
+        command = [sys.executable, "-m", SCRIPT, "--out", str(tmp_path), "--strategy", "eager_sgd", "--steps", "6"]
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         outputs = [p.communicate(timeout=200)[0] for p in procs]

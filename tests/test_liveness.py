@@ -27,11 +27,9 @@ import torch.distributed as dist
 
 from lightning_partial.collectives import Heartbeat
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from tests.scripts.ports import free_port
 
-from ports import free_port  # noqa: E402 - tests/scripts/ports.py
-
-SCRIPT = Path(__file__).parent / "scripts" / "fit.py"
+SCRIPT = "tests.scripts.fit"  # run as `python -m` from the repository root
 WORLD = 4
 # 60 (the default) to measure at the defaults: LIVENESS_COLLECTIVE_TIMEOUT_S=60 pytest -s -k frozen ...
 COLLECTIVE_TIMEOUT_S = int(os.environ.get("LIVENESS_COLLECTIVE_TIMEOUT_S", "4"))
@@ -48,7 +46,7 @@ def start_ranks(out: Path, *options: str) -> list[subprocess.Popen]:
                "NODE_RANK": "0", "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         with open(out / f"rank{rank}.log", "w") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, str(SCRIPT), "--out", str(out), "--devices", str(WORLD), *options],
+                [sys.executable, "-m", SCRIPT, "--out", str(out), "--devices", str(WORLD), *options],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             ))
     return procs

@@ -29,7 +29,6 @@ pytest.importorskip("jsonargparse", reason='LightningCLI needs jsonargparse: pip
 pytest.importorskip("torchvision", reason='the recipes need torchvision: pip install -e ".[recipes]"')
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # `recipes` is not an installed package
 
 import lightning_partial  # noqa: E402,F401 - registers the strategies
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
@@ -38,7 +37,7 @@ from recipes.catalog import RECIPES  # noqa: E402
 from recipes.errors import RecipeConfigError  # noqa: E402
 from tests.scripts.ports import RANK_VARIABLES, free_port  # noqa: E402
 
-WORKER = Path(__file__).parent / "recipe_files" / "matrix_worker.py"
+WORKER = "tests.recipe_files.matrix_worker"  # run as `python -m` from the repository root
 STRATEGIES = ["ddp", "eager_sgd", "eager_sgd_majority", "wagma_sgd", "ds_sync", "abs_sgd"]
 HAS_ABS_SGD = "abs_sgd" in StrategyRegistry
 STRATEGY_CLASSES = {
@@ -193,7 +192,7 @@ def launch_pair(items: list[dict[str, Any]], out: Path, deadline: float, attempt
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         with open(logs[rank], "w") as log_file:
             procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), "--items", str(items_file), "--out", str(out),
+                [sys.executable, "-m", WORKER, "--items", str(items_file), "--out", str(out),
                  "--fit-timeout", str(FIT_TIMEOUT_S)],
                 env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             ))
@@ -699,7 +698,7 @@ def test_csv_logger_config_replaces_wandb() -> None:
 def test_main_job_reduced(tmp_path: Path) -> None:
     """The main job's command, reduced (2 processes, ddp and eager_sgd, 1 epoch): table, plot, W&B offline runs."""
     command = [
-        sys.executable, str(ROOT / "recipes" / "main_job.py"), "--devices", "2", "--strategies", "ddp,eager_sgd",
+        sys.executable, "-m", "recipes.main_job", "--devices", "2", "--strategies", "ddp,eager_sgd",
         "--out", str(tmp_path), "--timeout", "200", "--",
         "--trainer.max_epochs", "1", "--data.synthetic_train_samples", "256", "--data.synthetic_val_samples", "64",
         "--model.width", "4", "--imbalance.delay_ms", "10",

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -26,8 +25,7 @@ pytestmark = pytest.mark.timeout(240)
 def test_two_fits_in_one_process_leave_no_store_or_thread_behind(strategy: str) -> None:
     """The engines' store server closes at the end of fit and no engine thread survives it,
     although the trainers stay referenced."""
-    script = Path(__file__).parent / "scripts" / "two_fits.py"
-    proc = subprocess.run([sys.executable, str(script), "--strategy", strategy, "--devices", "2"],
+    proc = subprocess.run([sys.executable, "-m", "tests.scripts.two_fits", "--strategy", strategy, "--devices", "2"],
                           env={**os.environ, "PYTHONWARNINGS": "ignore"}, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

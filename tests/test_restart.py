@@ -22,7 +22,7 @@ import torch
 
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY
 
-SCRIPT = Path(__file__).parent / "scripts" / "exact.py"
+SCRIPT = "tests.scripts.exact"  # run as `python -m` from the repository root
 # torch's own workaround for restarts on torchrun's shared rendezvous store (pytorch#135712; the strategy
 # warns without it): each attempt gets a store of its own.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -46,7 +46,7 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint_with_every_carried_gr
     out = tmp_path / "run"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-        "--max-restarts", "1", str(SCRIPT), "--out", str(out), "--strategy", "eager_sgd", "--steps", "14",
+        "--max-restarts", "1", "-m", SCRIPT, "--out", str(out), "--strategy", "eager_sgd", "--steps", "14",
         "--checkpoint-every", "4", "--die-at", "10", "--die-rank", "2", "--slow-ms", "40",
     ]
     proc = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=280)

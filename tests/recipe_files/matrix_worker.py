@@ -28,9 +28,6 @@ import sys
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))  # `recipes` is not an installed package
-
 
 def main() -> int:
     parser = argparse.ArgumentParser()

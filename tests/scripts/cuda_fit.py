@@ -21,24 +21,21 @@ on the host (gloo everywhere): a check of this script without a GPU.
 
 from __future__ import annotations
 
+import argparse
+import functools
+import inspect
+import json
+import logging
+import os
 import sys
+import threading
+import traceback
+import warnings
 from pathlib import Path
+from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: lightning_partial, tests
-
-import argparse  # noqa: E402
-import functools  # noqa: E402
-import inspect  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import os  # noqa: E402
-import threading  # noqa: E402
-import traceback  # noqa: E402
-import warnings  # noqa: E402
-from typing import Any, Callable  # noqa: E402
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 # ------------------------------------------------------------------ the spy
 SPY: dict[str, Any] = {"phase": "before", "validating": False, "calls": []}

@@ -67,7 +67,7 @@ def install_spy() -> None:
 
 
 def main() -> None:
-    from ports import ensure_master_port  # tests/scripts/ports.py: a port outside the ephemeral range
+    from tests.scripts.ports import ensure_master_port  # a port outside the ephemeral range
 
     ensure_master_port()
     parser = argparse.ArgumentParser()

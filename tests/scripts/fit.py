@@ -24,7 +24,7 @@ import sys
 
 if "--spy" in sys.argv:
     # Before Lightning is imported, so that every module it calls through is patched.
-    from exact import install_spy  # tests/scripts/exact.py: the default-group collective counter
+    from tests.scripts.exact import install_spy  # the default-group collective counter
 
     install_spy()
 
@@ -142,17 +142,17 @@ class Probe(L.Callback):
         self.at_train_end: int | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        from exact import SPY
+        from tests.scripts.exact import SPY
 
         SPY["active"] = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        from exact import SPY
+        from tests.scripts.exact import SPY
 
         self.at_batch_end.append(len(SPY["calls"]))
 
     def on_train_end(self, trainer, pl_module):
-        from exact import SPY
+        from tests.scripts.exact import SPY
 
         self.at_train_end = len(SPY["calls"])
         SPY["active"] = False
@@ -163,7 +163,7 @@ def parse_speed(text: str) -> list[float]:
 
 
 def main() -> None:
-    from ports import ensure_master_port  # tests/scripts/ports.py: a port outside the ephemeral range
+    from tests.scripts.ports import ensure_master_port  # a port outside the ephemeral range
 
     ensure_master_port()
     parser = argparse.ArgumentParser()
@@ -308,7 +308,7 @@ def main() -> None:
     if tracker is not None:
         record["staleness"] = {str(i): s.as_dict() for i, s in tracker.summary.items()}
     if probe is not None:
-        from exact import SPY
+        from tests.scripts.exact import SPY
 
         record["collectives_at_batch_end"] = probe.at_batch_end
         record["collectives_at_train_end"] = probe.at_train_end

@@ -12,17 +12,13 @@ import gc
 import json
 import os
 import socket
-import sys
 import threading
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-import lightning_partial  # noqa: E402,F401 - registers the strategies
+import lightning_partial  # noqa: F401 - registers the strategies
 
 
 class Tiny(L.LightningModule):

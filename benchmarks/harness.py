@@ -1,0 +1,165 @@
+"""What the benchmarks share: the launch environment, threads, the CPU stolen meanwhile, process groups.
+
+Standard library and torch only: the parents and the calibration processes
+import this module, and importing Lightning costs seconds a process.
+
+* :data:`RANK_VARIABLES`, :func:`free_port`, :func:`launch_environment`: a
+  fresh launch of a fit's ranks (``recipes/launch.py``, shared with the main job).
+* :func:`set_threads`, :func:`thread_environment`: intra-op threads of a rank.
+* :func:`cpu_ticks`, :func:`steal_between`, :func:`retry_while_stolen`: a fit
+  during which the host's hypervisor took much of the CPU is run again.
+* :func:`live_group_members`, :func:`kill_group`: a fit runs in its own process
+  group (``start_new_session=True``), killed whole when it ends or times out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from recipes.launch import RANK_VARIABLES, free_port, launch_environment
+
+log = logging.getLogger("benchmarks.harness")
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+
+
+#: The Trainer options of every benchmark fit: nothing but the fit (no logger, checkpoints,
+#: progress bar, model summary or sanity check), so that only the strategy differs between fits.
+BARE_TRAINER: dict[str, Any] = {
+    "logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+}
+
+
+def module_command(module: str, *argv: str) -> list[str]:
+    """``python -m <module> argv...``: how a benchmark starts its workers (run with ``cwd=REPO``)."""
+    return [sys.executable, "-m", module, *argv]
+
+
+# ---------------------------------------------------------------------- threads
+def set_threads(threads: int) -> None:
+    """``threads`` intra-op threads in this process (and in the processes it starts, through the environment)."""
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+def thread_environment(threads: int) -> dict[str, str]:
+    """Environment variables of a fit's processes: ``threads`` intra-op threads (Lightning's launcher hands
+    them on to ranks 1..P-1)."""
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def positive_int(value: str) -> int:
+    """argparse type: an int >= 1 (``--threads``)."""
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
+def package_version(name: str) -> Optional[str]:
+    """The installed version of ``name``, or ``None``."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+# ---------------------------------------------------------------------- CPU stolen by the hypervisor
+def cpu_ticks() -> tuple[int, int] | None:
+    """Machine-wide (steal, total) CPU ticks from ``/proc/stat``; ``None`` where there is none.
+
+    Steal is time the hypervisor gave this VM's virtual CPUs to someone else: a
+    fit that loses much of it measures the host, not the strategy.
+    """
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def steal_between(start: tuple[int, int] | None, end: tuple[int, int] | None) -> float | None:
+    """The share of the machine's CPU stolen between two :func:`cpu_ticks` readings (``None`` if unknown)."""
+    if not start or not end:
+        return None
+    return (end[0] - start[0]) / max(end[1] - start[1], 1)
+
+
+def add_steal_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--max-steal`` and ``--steal-retries``, read by :func:`retry_while_stolen`."""
+    parser.add_argument("--max-steal", type=float, default=0.05,
+                        help="a fit during which the host stole more than this share of the CPU is run again")
+    parser.add_argument("--steal-retries", type=int, default=2, help="at most this many times (then kept, flagged)")
+
+
+def retry_while_stolen(fit: Callable[[int], dict | None], args: argparse.Namespace, label: str) -> dict | None:
+    """``fit(attempt)`` again while the hypervisor stole more than ``args.max_steal`` of the CPU during it.
+
+    A fit that lost much of the CPU to other tenants of the host measures the
+    host. At most ``args.steal_retries`` more attempts; the last one is kept
+    whatever its steal (the JSON keeps the stolen share and ``attempts``).
+    ``fit`` returns a run with ``steal_fraction`` (``None`` or NaN: unknown,
+    kept), or ``None`` for a failed fit (not retried).
+    """
+    for attempt in range(args.steal_retries + 1):
+        run = fit(attempt)
+        if run is None:
+            return None
+        steal = run["steal_fraction"]
+        if steal is None or not steal > args.max_steal or attempt == args.steal_retries:
+            run["attempts"] = attempt + 1
+            return run
+        log.warning("%s: the hypervisor stole %.0f%% of the CPU during the fit: running it again", label, steal * 100)
+    raise AssertionError("unreachable: the last attempt is always kept")
+
+
+# ---------------------------------------------------------------------- process groups
+def live_group_members(pgid: int) -> list[int]:
+    """PIDs of the process group that are still running (zombies excluded)."""
+    members = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # no /proc: ask the kernel whether the group has any member at all
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except ProcessLookupError:
+            return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry))
+    return members
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL a fit's whole process group (rank 0 and the ranks Lightning started); gone already is fine."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+__all__ = [
+    "BARE_TRAINER", "RANK_VARIABLES", "REPO", "RESULTS", "add_steal_arguments", "cpu_ticks", "free_port", "kill_group",
+    "launch_environment", "live_group_members", "module_command", "package_version", "positive_int",
+    "retry_while_stolen", "set_threads", "steal_between", "thread_environment",
+]

@@ -1,0 +1,75 @@
+"""The imbalance benchmark's configurations (``--only`` names them; see the package's docstring)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+WORLD = 4  # ranks of every fit
+
+
+@dataclass(frozen=True)
+class Config:
+    """One benchmark configuration: which strategy, with or without injected imbalance."""
+
+    name: str
+    strategy: str  # "ddp", "eager_sgd", "eager_sgd_majority", "eager_sgd_backup", "post_local_sgd" or "no_comm"
+    imbalanced: bool
+    label: str
+    # Keyword arguments of a configured strategy object (``EagerSGDStrategy(**options)``);
+    # empty: the registry name ``strategy`` as a user would write it.
+    options: tuple[tuple[str, Any], ...] = ()
+    # Run without --only; the staleness-rule study's configurations run only when named.
+    default: bool = True
+
+
+def _study(name: str, *options: tuple[str, Any], note: str = "") -> Config:
+    """A configuration of the staleness-rule study: ``EagerSGDStrategy(**options)`` under imbalance, run only
+    when ``--only`` names it, labelled by its options."""
+    label = "eager-SGD solo, " + ", ".join(f"{key}={value}" for key, value in options) + note
+    return Config(name, "eager_sgd", True, label, tuple(options), default=False)
+
+
+CONFIGS: dict[str, Config] = {
+    c.name: c
+    for c in (
+        Config("ddp_balanced", "ddp", False, "DDP"),
+        Config("eager_sgd_balanced", "eager_sgd", False, "eager-SGD solo"),
+        Config("ddp_imbalanced", "ddp", True, "DDP"),
+        Config("post_local_sgd_imbalanced", "post_local_sgd", True, "post-local SGD"),
+        Config("eager_sgd_imbalanced", "eager_sgd", True, "eager-SGD solo"),
+        Config("eager_sgd_majority_imbalanced", "eager_sgd_majority", True, "eager-SGD majority"),
+        # The strategy's default bounds staleness at 2 rounds; the paper's unbounded solo for contrast.
+        Config(
+            "eager_sgd_unbounded_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=None",
+            (("max_staleness", None),),
+        ),
+        Config(
+            "eager_sgd_contrib_imbalanced", "eager_sgd", True, "eager-SGD solo, normalize=contributors",
+            (("normalize", "contributors"),),
+        ),
+        Config("eager_sgd_s1_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=1", (("max_staleness", 1),)),
+        # The staleness-rule study (run when --only names them): the default rule ("auto": "inverse"
+        # under momentum) against the paper's "none", at other bounds, and fresh-only rounds.
+        _study("eager_sgd_rule_none_imbalanced", ("staleness_rule", "none")),
+        _study("eager_sgd_unbounded_none_imbalanced", ("max_staleness", None), ("staleness_rule", "none"),
+               note=" (the paper's)"),
+        _study("eager_sgd_momentum_imbalanced", ("staleness_rule", "momentum")),
+        _study("eager_sgd_unbounded_momentum_imbalanced", ("max_staleness", None), ("staleness_rule", "momentum")),
+        _study("eager_sgd_s4_momentum_imbalanced", ("max_staleness", 4), ("staleness_rule", "momentum")),
+        _study("eager_sgd_unbounded_inverse_imbalanced", ("max_staleness", None), ("staleness_rule", "inverse")),
+        _study("eager_sgd_inverse_imbalanced", ("staleness_rule", "inverse")),
+        _study("eager_sgd_s4_inverse_imbalanced", ("max_staleness", 4), ("staleness_rule", "inverse")),
+        _study("eager_sgd_s6_inverse_imbalanced", ("max_staleness", 6), ("staleness_rule", "inverse")),
+        # Fresh-only rounds: a late gradient is dropped (and counted), the sum divided by the contributors.
+        _study(
+            "eager_sgd_unbounded_drop_imbalanced",
+            ("max_staleness", None), ("late", "drop"), ("normalize", "contributors"), ("staleness_rule", "none"),
+        ),
+        # One backup worker: a round waits for P - 1 arrivals, the last rank's gradient is carried.
+        Config("eager_sgd_backup_imbalanced", "eager_sgd_backup", True, "eager-SGD, 1 backup worker", default=False),
+        Config("wagma_sgd_imbalanced", "wagma_sgd", True, "WAGMA-SGD (S=2, tau=10)"),
+        Config("ds_sync_imbalanced", "ds_sync", True, "DS-Sync (G=2, max_staleness=4)"),
+        Config("no_comm_imbalanced", "no_comm", True, "no communication (bound)"),
+    )
+}

@@ -1,0 +1,283 @@
+"""Worker mode of the imbalance benchmark (``--run CONFIG``): one rank of one 4-process fit.
+
+Lightning's launcher re-runs the worker's command line (``python -m
+benchmarks.imbalance --run CONFIG ...``) for ranks 1-3. Lightning is imported
+here, inside :func:`run_worker`, never by the parent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import json
+import logging
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.harness import BARE_TRAINER, cpu_ticks, set_threads, steal_between
+from benchmarks.imbalance.configs import CONFIGS, WORLD, Config
+from benchmarks.imbalance.task import (
+    TRAIN_EVAL_SAMPLES,
+    BatchDataset,
+    batch_collate,
+    build_mlp,
+    cosine_factor,
+    evaluate,
+    make_task,
+    parameter_digest,
+)
+
+
+class CollectiveCounter:
+    """Counts Python-level calls into ``torch.distributed`` collectives on the default group while active.
+
+    Sees Lightning's per-batch SIGTERM broadcast, DDP comm hooks' and the model
+    averager's allreduces (issued from Python); does not see the allreduces of
+    DDP's C++ reducer without a hook, nor the eager-SGD engine's collectives,
+    which run on the engine's own groups by design.
+    """
+
+    NAMES = (
+        "all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+        "gather", "scatter", "reduce", "all_gather_object", "broadcast_object_list", "gather_object", "all_to_all",
+        "monitored_barrier",
+    )
+
+    def __init__(self) -> None:
+        self.active = False
+        self.calls: dict[str, int] = {}
+
+    def install(self) -> None:
+        """Wraps the module-level functions (callers that look them up as ``dist.<name>`` are seen)."""
+        import torch.distributed as dist
+
+        for name in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                setattr(dist, name, self._wrap(name, fn))
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        import torch.distributed as dist
+
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self.active:
+                try:  # the group may be passed positionally
+                    group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+                except TypeError:
+                    group = kwargs.get("group")
+                if group is None or group is dist.group.WORLD:
+                    self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+
+def _lightning_parts() -> tuple[type, type]:
+    """The LightningModule and the recording callback (defined here: Lightning is imported in workers only)."""
+    import lightning as L
+
+    class TeacherClassifier(L.LightningModule):
+        """The student MLP; records its training loss per batch (CPU: ``item()`` costs no device sync)."""
+
+        def __init__(
+            self, width: int, depth: int, lr: float, momentum: float, schedule: str, steps: int, optimizer: str = "sgd"
+        ) -> None:
+            super().__init__()
+            self.net = build_mlp(width, depth)
+            self.lr, self.momentum, self.optimizer_name = lr, momentum, optimizer
+            self.schedule, self.steps = schedule, steps
+            self.losses: list[float] = []
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = torch.nn.functional.cross_entropy(self.net(x), y)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            if self.optimizer_name == "adamw":
+                # beta1 = --momentum: the coefficient the staleness rule reads.
+                optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+                    self.parameters(), lr=self.lr, betas=(self.momentum, 0.999), weight_decay=0.01
+                )
+            else:
+                optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+            if self.schedule == "constant":
+                return optimizer
+            # Cosine decay to 0 over the fit, stepped per optimizer step: the same on every rank
+            # (every strategy here steps once per batch on every rank).
+            cosine = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(cosine_factor, steps=self.steps))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cosine, "interval": "step"}}
+
+    class StepRecorder(L.Callback):
+        """Per-rank timings: the first batch start, each batch end, the end of the strategy's ``on_train_end``.
+
+        Must come before the imbalance callback in ``callbacks`` so that the
+        first injected delay falls inside the measured interval.
+        """
+
+        def __init__(self, digest_steps: int, counter: CollectiveCounter) -> None:
+            self.digest_steps = digest_steps
+            self.counter = counter
+            # eager-SGD, per round: (fresh, contributions, max staleness, this rank's wait in arrive (s))
+            self.rounds: list[tuple[int, int, int, float]] = []
+            self.t_start: float | None = None
+            self.t_end: float | None = None
+            # CPU seconds of the whole process (compute, communication and gloo threads) over the same interval.
+            self.cpu_start: float | None = None
+            self.cpu_end: float | None = None
+            self.ticks_start: tuple[int, int] | None = None
+            self.ticks_end: tuple[int, int] | None = None
+            self.step_ends: list[float] = []
+            self.collectives_at_batch_end: list[int] = []  # cumulative default-group calls (CollectiveCounter)
+            self.digests: list[float] = []
+
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+            if self.t_start is None:
+                self.t_start = time.perf_counter()
+                self.cpu_start = time.process_time()
+                self.ticks_start = cpu_ticks()
+                self.counter.active = True
+
+        def on_train_batch_end(
+            self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
+            # After the optimizer step (and post-local SGD's averaging) of this batch.
+            self.step_ends.append(time.perf_counter())
+            self.collectives_at_batch_end.append(sum(self.counter.calls.values()))
+            stats = getattr(trainer.strategy, "round_stats", {}).get(0)
+            if stats is not None:
+                self.rounds.append((len(stats.fresh), stats.contributions, stats.max_staleness, stats.wait_time))
+            if len(self.step_ends) <= self.digest_steps:
+                self.digests.append(parameter_digest(list(pl_module.parameters())))
+
+        def wrap_strategy_end(self, strategy: Any) -> None:
+            """Stamps the end after the strategy's own ``on_train_end`` (eager-SGD's flush, a final average)."""
+            inner = strategy.on_train_end
+
+            def on_train_end() -> None:
+                inner()
+                self.t_end = time.perf_counter()
+                self.cpu_end = time.process_time()
+                self.ticks_end = cpu_ticks()
+                self.counter.active = False
+
+            strategy.on_train_end = on_train_end
+
+    return TeacherClassifier, StepRecorder
+
+
+def _make_strategy(config: Config, args: argparse.Namespace) -> Any:
+    """The strategy object (or registry name) of ``config``."""
+    if config.options:
+        import lightning_partial
+
+        if config.strategy == "wagma_sgd":
+            return lightning_partial.WAGMAStrategy(**dict(config.options))
+        if config.strategy == "ds_sync":
+            return lightning_partial.DSSyncStrategy(**dict(config.options))
+        mode = "majority" if config.strategy == "eager_sgd_majority" else "solo"
+        return lightning_partial.EagerSGDStrategy(**{"mode": mode, **dict(config.options)})
+    if config.strategy in ("ddp", "eager_sgd", "eager_sgd_majority", "eager_sgd_backup", "wagma_sgd", "ds_sync"):
+        return config.strategy  # registry names, as a user would write them (gloo on CPU)
+    from benchmarks.baselines import NoCommStrategy, PostLocalSGDStrategy
+
+    if config.strategy == "post_local_sgd":
+        return PostLocalSGDStrategy(
+            start_localSGD_iter=args.localsgd_warmup, model_averaging_period=args.averaging_period
+        )
+    if config.strategy == "no_comm":
+        return NoCommStrategy()
+    raise ValueError(f"unknown strategy {config.strategy!r}")
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Worker mode (``--run CONFIG``): one rank of one 4-process fit; writes ``<workdir>/<tag>.rank<R>.json``."""
+    t_process = time.perf_counter()
+    set_threads(args.threads)
+    import lightning as L
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+
+    import lightning_partial  # noqa: F401 - registers "eager_sgd" and "eager_sgd_majority"
+    from lightning_partial.callbacks import LoadImbalance
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    config = CONFIGS[args.run]
+    TeacherClassifier, StepRecorder = _lightning_parts()
+    L.seed_everything(args.seed, verbose=False)
+    task = make_task(args.seed)
+    loader = torch.utils.data.DataLoader(
+        BatchDataset(task["x_train"], task["y_train"]),
+        batch_size=args.batch_size,
+        shuffle=True,  # Lightning swaps in a DistributedSampler (seeded by the global seed: same order in every run)
+        drop_last=True,
+        collate_fn=batch_collate,
+    )
+    model = TeacherClassifier(args.width, args.depth, args.lr, args.momentum, args.schedule, args.steps, args.optimizer)
+    counter = CollectiveCounter()
+    counter.install()
+    recorder = StepRecorder(args.digest_steps, counter)
+    callbacks: list[Any] = [recorder]
+    imbalance = None
+    if config.imbalanced:
+        # log=False: a per-step self.log costs every imbalanced configuration alike and nothing reads it here.
+        imbalance = LoadImbalance(delay_ms=args.delay_ms, stragglers=1, seed=args.seed, log=False)
+        callbacks.append(imbalance)
+    trainer = L.Trainer(
+        strategy=_make_strategy(config, args),
+        accelerator="cpu",
+        devices=WORLD,
+        # Explicit: a SLURM or torchelastic environment around the benchmark must not
+        # change how the 4 local ranks are started.
+        plugins=[LightningEnvironment()],
+        max_steps=args.steps,
+        callbacks=callbacks,
+        **BARE_TRAINER,
+    )
+    recorder.wrap_strategy_end(trainer.strategy)
+    trainer.fit(model, loader)
+    rank = trainer.global_rank
+    if recorder.t_start is None or recorder.t_end is None:
+        raise RuntimeError(f"rank {rank}: the fit recorded no training interval")
+
+    test_loss, test_acc = evaluate(model.net, task["x_test"], task["y_test"])
+    train_loss, train_acc = evaluate(model.net, task["x_train"][:TRAIN_EVAL_SAMPLES], task["y_train"][:TRAIN_EVAL_SAMPLES])
+    steps = len(model.losses)
+    record = {
+        "config": config.name,
+        "rank": rank,
+        "steps": steps,
+        "samples": steps * args.batch_size,
+        "wall_s": recorder.t_end - recorder.t_start,
+        "cpu_s": recorder.cpu_end - recorder.cpu_start,  # type: ignore[operator]
+        "steal_fraction": steal_between(recorder.ticks_start, recorder.ticks_end),
+        "startup_s": recorder.t_start - t_process,
+        "t_start": recorder.t_start,  # time.perf_counter: CLOCK_MONOTONIC, comparable across processes
+        "t_end": recorder.t_end,
+        "step_ends_s": [round(t - recorder.t_start, 5) for t in recorder.step_ends],
+        "losses": [round(x, 5) for x in model.losses],
+        "digests": recorder.digests,
+        "delayed_steps": sum(1 for r in imbalance.records if r.delay_ms > 0) if imbalance is not None else 0,
+        "injected_s": imbalance.injected_ms / 1e3 if imbalance is not None else 0.0,
+        "test_loss": test_loss,
+        "test_acc": test_acc,
+        "train_eval_loss": train_loss,
+        "train_eval_acc": train_acc,
+        "strategy_class": type(trainer.strategy).__name__,
+        "torch_threads": torch.get_num_threads(),  # as the fit ran: --threads
+        "default_group_collectives": dict(counter.calls),
+        "collectives_at_batch_end": recorder.collectives_at_batch_end,
+        "collectives_total": sum(counter.calls.values()),
+        "rounds": recorder.rounds,
+    }
+    path = args.workdir / f"{args.tag}.rank{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)  # atomic: the parent never reads half a file
+    return 0
