@@ -84,10 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     for tau in (1, 2, 4):
         for rule in ("none", "momentum", "inverse", "spike"):
             rows.append({"delay": f"uniform tau={tau}", "rule": rule,
-                         "largest_stable_h": largest_stable(lambda h: uniform(rule, h, mu, tau))})
+                         "largest_stable_h": largest_stable(lambda h, rule=rule, tau=tau: uniform(rule, h, mu, tau))})
     for rule in ("none", "momentum", "inverse", "spike", "drop"):
         rows.append({"delay": f"solo, {args.fresh:g} fresh", "rule": rule,
-                     "largest_stable_h": largest_stable(lambda h: solo(rule, h, mu, args.fresh))})
+                     "largest_stable_h": largest_stable(lambda h, rule=rule: solo(rule, h, mu, args.fresh))})
     print(f"SGD momentum {mu}: largest stable lr * curvature (undelayed: {on_time:.3f})")
     for row in rows:
         print(f"  {row['delay']:<22} {row['rule']:<9} {row['largest_stable_h']:.3f}")

@@ -15,7 +15,7 @@ from lightning_partial import ABSSGDStrategy
 from lightning_partial.callbacks import AdaptiveBatchSize
 from tests.distributed import in_process_fit
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY
-from tests.test_eager_sgd import FIT_ENV, fit_command
+from tests.test_eager_sgd import FIT_ENV, assert_identical, fit_command
 
 
 def test_registry_names():
@@ -56,13 +56,6 @@ def run_fit(out: Path, *extra: str) -> list[dict]:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
-
-
-def assert_identical(out: Path) -> None:
-    states = [torch.load(out / f"rank{r}.pt") for r in range(4)]
-    for other in states[1:]:
-        for key, value in states[0].items():
-            assert torch.equal(value, other[key]), key
 
 
 @pytest.mark.timeout(300)

@@ -74,6 +74,15 @@ def fit(tmp_path: Path, strategy: str, *extra: str) -> list[dict[str, torch.Tens
     return [torch.load(out / f"rank{r}.pt") for r in range(4)]
 
 
+def assert_identical(out: Path) -> dict[str, torch.Tensor]:
+    """Asserts that the 4 ranks' final states under ``out`` are bit-identical; returns rank 0's."""
+    states = [torch.load(out / f"rank{r}.pt") for r in range(4)]
+    for other in states[1:]:
+        for key, value in states[0].items():
+            assert torch.equal(value, other[key]), key
+    return states[0]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["eager_sgd", "eager_sgd_majority", "eager_sgd_backup"])
 def test_replicas_end_bit_identical_under_injected_imbalance(tmp_path, strategy):
@@ -131,10 +140,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, victim)
     assert proc.returncode == 0, stderr[-3000:]
     steps = {r: int((out / f"stopped{r}").read_text()) for r in range(4)}
     assert len(set(steps.values())) == 1, steps
-    states = [torch.load(out / f"rank{r}.pt") for r in range(4)]
-    for other in states[1:]:
-        for key, value in states[0].items():
-            assert torch.equal(value, other[key]), key
+    assert_identical(out)
 
 
 @pytest.mark.timeout(300)
@@ -159,10 +165,7 @@ def fit_identical(out: Path, *options: str) -> list[dict]:
 
     proc = subprocess.run(fit_command(out, *options), env=FIT_ENV, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    states = [torch.load(out / f"rank{r}.pt") for r in range(4)]
-    for other in states[1:]:
-        for key, value in states[0].items():
-            assert torch.equal(value, other[key]), key
+    assert_identical(out)
     return [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
 
 

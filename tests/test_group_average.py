@@ -200,7 +200,7 @@ def test_damped_correction_follows_its_formula_in_late_rounds():
         engine.start()
         rows = []
         try:
-            for step in range(steps):
+            for _ in range(steps):
                 time.sleep(0.03 if rank == 3 else 0.002)
                 w += float(rank + 1)
                 before = w.clone()
@@ -420,12 +420,18 @@ def test_flush_at_different_steps_fails_before_the_data_timeout(first, retired):
             assert message == "no error", outcomes
 
 
+def two_rank_engine(mode: str, rank: int, store, w: torch.Tensor) -> GroupAverage:
+    """A started GroupAverage of 2 ranks in one group, averaging tensors like ``w``."""
+    e = GroupAverage(cfg(mode=mode), schedule=ShuffleSchedule(world_size=2, num_groups=1), store=store,
+                     rank=rank, world_size=2, like=[w])
+    e.start()
+    return e
+
+
 def test_flush_needs_the_model_and_state_dict_holds_no_models():
     def fn(rank, store):
         w = torch.full((2,), float(rank))
-        e = GroupAverage(cfg(mode="solo"), schedule=ShuffleSchedule(world_size=2, num_groups=1), store=store,
-                         rank=rank, world_size=2, like=[w])
-        e.start()
+        e = two_rank_engine("solo", rank, store, w)
         try:
             with pytest.raises(ValueError, match="needs this rank's model"):
                 e.flush()
@@ -452,9 +458,7 @@ def test_apply_average_checks_the_tensors_against_the_round():
 
     def fn(rank, store):
         w = torch.full((2,), float(rank))
-        e = GroupAverage(cfg(mode="sync"), schedule=ShuffleSchedule(world_size=2, num_groups=1), store=store,
-                         rank=rank, world_size=2, like=[w])
-        e.start()
+        e = two_rank_engine("sync", rank, store, w)
         try:
             result = e.arrive([w])
             with pytest.raises(ValueError, match="pass the tensors given to arrive"):

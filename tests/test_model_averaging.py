@@ -17,7 +17,7 @@ from lightning_partial import DSSyncStrategy, WAGMAStrategy
 from lightning_partial.callbacks import GroupRotation
 from lightning_partial.collectives import ButterflySchedule, ShuffleSchedule
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY
-from tests.test_eager_sgd import FIT_ENV, fit_command, signal_rank_when_running
+from tests.test_eager_sgd import FIT_ENV, assert_identical, fit_command, signal_rank_when_running
 
 
 def test_registry_names():
@@ -131,7 +131,7 @@ def test_fit_under_imbalance(tmp_path, strategy, schedule):
             if (r + 1) % 5 == 0 or g["group_id"] == -1:
                 assert g["consensus"] is not None and math.isfinite(g["consensus"]) and 0 <= g["consensus"] < 1.0
     for r, members in by_round.items():  # every rank computed the same partition
-        for rank, group in members.items():
+        for group in members.values():
             assert all(members[m] == group for m in group), (r, members)
     consensus = {g["round_index"]: g["consensus"] for g in records[0]["groups"] if g["consensus"] is not None}
     assert len(set(consensus)) >= 5
@@ -139,14 +139,6 @@ def test_fit_under_imbalance(tmp_path, strategy, schedule):
     header = (out / "csv" / "fit" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     for column in ("groups/group_id", "groups/members", "groups/consensus", "partial/fresh"):
         assert column in header
-
-
-def assert_identical(out: Path) -> dict[str, torch.Tensor]:
-    states = [torch.load(out / f"rank{r}.pt") for r in range(4)]
-    for other in states[1:]:
-        for key, value in states[0].items():
-            assert torch.equal(value, other[key]), key
-    return states[0]
 
 
 @pytest.mark.timeout(300)
@@ -217,13 +209,18 @@ def test_resume_across_families_is_refused_unless_the_engine_state_is_dropped(tm
     assert_identical(second)
 
 
+def endless_fit(out, strategy: str) -> subprocess.Popen:
+    """A 4-process fit of tests/scripts/fit.py that runs until a signal ends it (stderr piped)."""
+    return subprocess.Popen(
+        fit_command(out, "--strategy", strategy, "--steps", "100000", "--straggle-ms", "5"),
+        env=FIT_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+
 @pytest.mark.timeout(300)
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        fit_command(out, "--strategy", "wagma_sgd", "--steps", "100000", "--straggle-ms", "5"),
-        env=FIT_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
+    proc = endless_fit(out, "wagma_sgd")
     stderr = signal_rank_when_running(proc, out, 1, signal.SIGTERM)
     assert proc.returncode == 0, stderr[-3000:]
     steps = {r: int((out / f"stopped{r}").read_text()) for r in range(4)}
@@ -233,10 +230,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
 @pytest.mark.timeout(300)
 def test_killed_rank_ends_the_fit_with_a_clear_error(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        fit_command(out, "--strategy", "ds_sync", "--steps", "100000", "--straggle-ms", "5"),
-        env=FIT_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
+    proc = endless_fit(out, "ds_sync")
     stderr = signal_rank_when_running(proc, out, 2, signal.SIGKILL)
     assert proc.returncode != 0
     assert ("[partial allreduce, rank" in stderr and "round" in stderr) or "terminated with code -9" in stderr, (

@@ -70,10 +70,10 @@ from lightning_partial.collectives.stats import RoundStats
 
 log = logging.getLogger(__name__)
 
-Normalization = Literal["group", "reference"]
-NORMALIZATIONS: tuple[str, ...] = ("group", "reference")
-LatePolicy = Literal["damp", "carry", "drop"]
-LATE_POLICIES: tuple[str, ...] = ("damp", "carry", "drop")
+AverageNormalization = Literal["group", "reference"]
+AVERAGE_NORMALIZATIONS: tuple[str, ...] = ("group", "reference")
+AverageLatePolicy = Literal["damp", "carry", "drop"]
+AVERAGE_LATE_POLICIES: tuple[str, ...] = ("damp", "carry", "drop")
 StalePolicy = Literal["skip", "resend"]
 STALE_POLICIES: tuple[str, ...] = ("skip", "resend")
 
@@ -451,8 +451,8 @@ def apply_average(
     result: RoundResult,
     current: Tensors,
     *,
-    normalize: Normalization = "group",
-    late: LatePolicy = "damp",
+    normalize: AverageNormalization = "group",
+    late: AverageLatePolicy = "damp",
 ) -> None:
     """Replaces ``current`` (this rank's model, as passed to ``arrive``) with the round's average, in place.
 
@@ -487,10 +487,10 @@ def apply_average(
       conserving; stable: a convex combination); ``late`` is ignored; global
       rounds use ``s / n``.
     """
-    if normalize not in NORMALIZATIONS:
-        raise ValueError(f"unknown normalize {normalize!r}: expected one of {', '.join(NORMALIZATIONS)}")
-    if late not in LATE_POLICIES:
-        raise ValueError(f"unknown late policy {late!r}: expected one of {', '.join(LATE_POLICIES)}")
+    if normalize not in AVERAGE_NORMALIZATIONS:
+        raise ValueError(f"unknown normalize {normalize!r}: expected one of {', '.join(AVERAGE_NORMALIZATIONS)}")
+    if late not in AVERAGE_LATE_POLICIES:
+        raise ValueError(f"unknown late policy {late!r}: expected one of {', '.join(AVERAGE_LATE_POLICIES)}")
     group = result.stats.group
     if group is None or not isinstance(result, GroupRoundResult) or not result.sent:
         raise ValueError("apply_average() needs a GroupAverage round result")

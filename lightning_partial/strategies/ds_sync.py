@@ -28,7 +28,7 @@ persistently slow rank's distance from the others grew without bound (11 and
 ``tests/test_group_average.py``, which ``"damp"`` passes with the distance
 below 0.06 after round 200). Hence the default ``late="damp"``
 (:func:`~lightning_partial.collectives.apply_average`): stable for every lag,
-the sum of the replicas still conserved. On ``benchmarks/imbalance.py --only
+the sum of the replicas still conserved. On ``python -m benchmarks.imbalance --only
 ds_sync_imbalanced --delay-ms 99.8`` (one fit each): ``"damp"`` test loss
 0.569 (78.02%), ``"carry"`` 0.571 (78.21%, its training loss rising between
 steps 50-100 and 100-150), ``normalize="reference"`` 0.590 (77.66%).

@@ -63,7 +63,7 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             default is unbounded, as the paper's solo). Unbounded, a straggler
             falls several rounds behind and its gradients land up to 21 rounds
             stale; under momentum 0.9 that cost solo 5 to 9 points of accuracy in
-            ``benchmarks/imbalance.py`` (one straggler in 4 per step; 6 to 18
+            ``python -m benchmarks.imbalance`` (one straggler in 4 per step; 6 to 18
             with a constant learning rate), against within 1 point there with
             the bound, at the price of the fast ranks waiting for a rank more
             than 2 rounds behind (0-22% of throughput in those runs: 1.67x DDP

@@ -35,8 +35,8 @@ from typing_extensions import Unpack, override
 from lightning_partial.collectives import PartialAllreduceConfig, RoundStats
 from lightning_partial.collectives.checks import check_int
 from lightning_partial.collectives.group_average import (
-    LATE_POLICIES,
-    NORMALIZATIONS,
+    AVERAGE_LATE_POLICIES,
+    AVERAGE_NORMALIZATIONS,
     STALE_POLICIES,
     GroupAverage,
     apply_average,
@@ -108,10 +108,10 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         **kwargs: Unpack[StrategyOptions],
     ) -> None:
         super().__init__(**kwargs)
-        if normalize not in NORMALIZATIONS:
-            raise ValueError(f"unknown normalize {normalize!r}: expected one of {', '.join(NORMALIZATIONS)}")
-        if late not in LATE_POLICIES:
-            raise ValueError(f"unknown late policy {late!r}: expected one of {', '.join(LATE_POLICIES)}")
+        if normalize not in AVERAGE_NORMALIZATIONS:
+            raise ValueError(f"unknown normalize {normalize!r}: expected one of {', '.join(AVERAGE_NORMALIZATIONS)}")
+        if late not in AVERAGE_LATE_POLICIES:
+            raise ValueError(f"unknown late policy {late!r}: expected one of {', '.join(AVERAGE_LATE_POLICIES)}")
         if order not in ORDERS:
             raise ValueError(f"unknown order {order!r}: expected one of {', '.join(ORDERS)}")
         if stale not in STALE_POLICIES:

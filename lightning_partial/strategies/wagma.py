@@ -8,7 +8,7 @@ and at the end of fit. The contract is :mod:`lightning_partial.strategies.model_
 
 Two documented deviations from the reference code (``opt_wagma_sgd_imagenet.py``
 in the authors' WAGMA-SGD repository), each measured on
-``benchmarks/imbalance.py --only wagma_sgd_imbalanced --delay-ms 99.8`` (4 CPU
+``python -m benchmarks.imbalance --only wagma_sgd_imbalanced --delay-ms 99.8`` (4 CPU
 ranks, 250 steps; one fit each, the damped correction, rank 0's model after the
 fit; test loss 0.568 and 78.12% accuracy at the defaults):
 
