@@ -34,12 +34,14 @@ import inspect
 import logging
 import re
 import sys
+import typing
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import lightning_partial  # noqa: F401 - registers eager_sgd, eager_sgd_majority, eager_sgd_backup, wagma_sgd, ds_sync, abs_sgd
 import torch
+import typing_extensions
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import WandbLogger
@@ -116,6 +118,29 @@ _KINDS = (("lightning.pytorch.strategies", "Strategy", "trainer.strategy"),
           ("lightning.pytorch.callbacks", "Callback", "trainer.callbacks"))
 
 
+def init_parameters(cls: type) -> set[str]:
+    """The keyword arguments ``cls(...)`` takes: the ``__init__`` parameters of every class in its MRO, and the
+    keys of the TypedDicts that a ``**kwargs: Unpack[...]`` forwards (the strategies' shared options are declared
+    there, e.g. ``WAGMAStrategy``'s ``late``)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None or not inspect.isfunction(init):
+            continue
+        try:
+            hints = typing.get_type_hints(init, include_extras=True)
+        except Exception:  # noqa: BLE001 - an annotation that does not resolve here: the plain names still count
+            hints = {}
+        for param in inspect.signature(init).parameters.values():
+            if param.kind is param.VAR_KEYWORD:
+                for forwarded in typing_extensions.get_args(hints.get(param.name)):
+                    if typing_extensions.is_typeddict(forwarded):
+                        names |= forwarded.__required_keys__ | forwarded.__optional_keys__
+            elif param.kind is not param.VAR_POSITIONAL:
+                names.add(param.name)
+    return names - {"self"}
+
+
 def _union_error(message: str) -> Optional[RecipeConfigError]:
     """jsonargparse's "Does not validate against any of the Union subtypes" for a ``class_path`` object
     (``--trainer.strategy lightning_partial.DSSyncStrategy --trainer.strategy.num_groups 0``) as one line
@@ -140,7 +165,7 @@ def _union_error(message: str) -> Optional[RecipeConfigError]:
             option = key
             break
     reason = "; ".join(reasons)
-    params = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    params = init_parameters(cls)
     argument = next((w for w in re.findall(r"[A-Za-z_]\w*", reason) if w in params), None)
     if argument is not None and option != "config":
         option = f"{option}.{argument}"

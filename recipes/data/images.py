@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from recipes.data.base import RecipeDataModule, sample_generator
+from recipes.data.base import BuiltinSamples, RecipeDataModule
 from recipes.errors import RecipeConfigError, check_float, check_int, require_file
 
 log = logging.getLogger(__name__)
@@ -51,26 +51,21 @@ _ARCHIVES = {"cifar10": "cifar-10-python.tar.gz", "cifar100": "cifar-100-python.
 
 
 # ------------------------------------------------------------------------- built-in images
-class ClassImages(Dataset):
+class ClassImages(BuiltinSamples):
     """Built-in images with class structure (see the module docstring); ``(image [C,H,W] float, label)``."""
 
     def __init__(self, num_samples: int, *, num_classes: int, image_size: int, channels: int = 3,
                  noise: float = 1.0, seed: int = 0, split: int = 0) -> None:
-        self.num_samples, self.num_classes, self.image_size = num_samples, num_classes, image_size
-        self.noise, self.seed, self.split = noise, seed, split
+        super().__init__(num_samples, seed, split)
+        self.num_classes, self.image_size, self.noise = num_classes, image_size, noise
         g = torch.Generator().manual_seed(seed)  # the task: the same class patterns for every split
         coarse = torch.randn(num_classes, channels, 4, 4, generator=g)
         patterns = F.interpolate(coarse, size=(image_size, image_size), mode="bilinear", align_corners=False)
         self.patterns = patterns / patterns.flatten(1).std(dim=1).view(-1, 1, 1, 1)
         self.shift = max(1, image_size // 8)
 
-    def __len__(self) -> int:
-        return self.num_samples
-
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        if not 0 <= index < self.num_samples:
-            raise IndexError(index)
-        g = sample_generator(self.seed * 7919 + self.split + 1, index)
+        g = self.generator(index)
         label = int(torch.randint(self.num_classes, (1,), generator=g))
         image = self.patterns[label]
         dy, dx = (int(v) for v in torch.randint(-self.shift, self.shift + 1, (2,), generator=g))
@@ -180,32 +175,16 @@ class ImageDataModule(RecipeDataModule):
     Args:
         image_size: built-in images' side (real CIFAR is 32; ImageFolder crops to it).
         synthetic_classes: built-in data's number of classes.
-        synthetic_train_samples, synthetic_val_samples: built-in data set sizes.
         noise: built-in images' pixel noise (standard deviation; patterns have unit deviation).
-        seed: built-in data's seed.
-        (and ``data_dir``, ``batch_size``, ``eval_batch_size``, ``num_workers``: see ``RecipeDataModule``)
+        (the other options, the built-in data set sizes and seed among them: see ``RecipeDataModule``)
     """
 
-    def __init__(
-        self,
-        data_dir: Optional[str] = None,
-        batch_size: int = 128,
-        eval_batch_size: Optional[int] = None,
-        num_workers: int = 0,
-        image_size: int = 32,
-        synthetic_classes: int = 10,
-        synthetic_train_samples: int = 10_000,
-        synthetic_val_samples: int = 2_000,
-        noise: float = 1.0,
-        seed: int = 0,
-    ) -> None:
-        super().__init__(data_dir, batch_size, eval_batch_size, num_workers)
+    def __init__(self, *, batch_size: int = 128, image_size: int = 32, synthetic_classes: int = 10,
+                 synthetic_val_samples: int = 2_000, noise: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(batch_size=batch_size, synthetic_val_samples=synthetic_val_samples, **kwargs)
         self.image_size = check_int(image_size, "data.image_size", minimum=8)
         self.synthetic_classes = check_int(synthetic_classes, "data.synthetic_classes", minimum=2)
-        self.synthetic_train_samples = check_int(synthetic_train_samples, "data.synthetic_train_samples", minimum=1)
-        self.synthetic_val_samples = check_int(synthetic_val_samples, "data.synthetic_val_samples", minimum=1)
         self.noise = check_float(noise, "data.noise", minimum=0.0)
-        self.seed = seed
 
     @property
     def num_classes(self) -> int:
@@ -233,23 +212,9 @@ class CIFARDataModule(ImageDataModule):
 
     data_dir_hint = "it must hold the extracted CIFAR python batches (cifar-10-batches-py/ or cifar-100-python/)"
 
-    def __init__(
-        self,
-        data_dir: Optional[str] = None,
-        dataset: Literal["cifar10", "cifar100"] = "cifar10",
-        batch_size: int = 128,
-        eval_batch_size: Optional[int] = None,
-        num_workers: int = 0,
-        augment: bool = True,
-        image_size: int = 32,
-        synthetic_classes: int = 10,
-        synthetic_train_samples: int = 10_000,
-        synthetic_val_samples: int = 2_000,
-        noise: float = 1.0,
-        seed: int = 0,
-    ) -> None:
-        super().__init__(data_dir, batch_size, eval_batch_size, num_workers, image_size, synthetic_classes,
-                         synthetic_train_samples, synthetic_val_samples, noise, seed)
+    def __init__(self, *, dataset: Literal["cifar10", "cifar100"] = "cifar10", augment: bool = True,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         if dataset not in _CIFAR_LAYOUT:
             raise RecipeConfigError("data.dataset", f"must be cifar10 or cifar100, got {dataset!r}")
         self.dataset = dataset
@@ -284,21 +249,10 @@ class ImageFolderDataModule(ImageDataModule):
 
     data_dir_hint = "it must hold train/<class>/ and val/<class>/ image folders"
 
-    def __init__(
-        self,
-        data_dir: Optional[str] = None,
-        batch_size: int = 32,
-        eval_batch_size: Optional[int] = None,
-        num_workers: int = 0,
-        image_size: int = 224,
-        synthetic_classes: int = 10,
-        synthetic_train_samples: int = 10_000,
-        synthetic_val_samples: int = 1_000,
-        noise: float = 1.0,
-        seed: int = 0,
-    ) -> None:
-        super().__init__(data_dir, batch_size, eval_batch_size, num_workers, image_size, synthetic_classes,
-                         synthetic_train_samples, synthetic_val_samples, noise, seed)
+    def __init__(self, *, batch_size: int = 32, image_size: int = 224, synthetic_val_samples: int = 1_000,
+                 **kwargs: Any) -> None:
+        super().__init__(batch_size=batch_size, image_size=image_size, synthetic_val_samples=synthetic_val_samples,
+                         **kwargs)
         self._classes: Optional[list[str]] = None
         if self.data_dir is not None:
             self._classes = self._class_names()

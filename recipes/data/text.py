@@ -30,12 +30,12 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch.utils.data import Dataset
 
-from recipes.data.base import RecipeDataModule, sample_generator
+from recipes.data.base import BuiltinSamples, RecipeDataModule
 from recipes.errors import RecipeConfigError, check_int, require_file
 
 log = logging.getLogger(__name__)
@@ -105,24 +105,19 @@ class TokenPairs(Dataset):
         return torch.tensor(s, dtype=torch.int64), torch.tensor(t, dtype=torch.int64)
 
 
-class MappedTokens(Dataset):
+class MappedTokens(BuiltinSamples):
     """Built-in pairs: random source tokens, target = a fixed permutation of them (module docstring)."""
 
     def __init__(self, num_samples: int, *, vocab_size: int, min_len: int, max_len: int, reverse: bool = False,
                  seed: int = 0, split: int = 0) -> None:
-        self.num_samples, self.vocab_size, self.min_len, self.max_len = num_samples, vocab_size, min_len, max_len
-        self.reverse, self.seed, self.split = reverse, seed, split
+        super().__init__(num_samples, seed, split)
+        self.vocab_size, self.min_len, self.max_len, self.reverse = vocab_size, min_len, max_len, reverse
         g = torch.Generator().manual_seed(seed)
         content = len(SPECIALS) + torch.randperm(vocab_size - len(SPECIALS), generator=g)
         self.mapping = torch.cat([torch.arange(len(SPECIALS)), content])  # specials map to themselves
 
-    def __len__(self) -> int:
-        return self.num_samples
-
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= index < self.num_samples:
-            raise IndexError(index)
-        g = sample_generator(self.seed * 7919 + self.split + 1, index)
+        g = self.generator(index)
         length = int(torch.randint(self.min_len, self.max_len + 1, (1,), generator=g))
         src = torch.randint(len(SPECIALS), self.vocab_size, (length,), generator=g)
         tgt = self.mapping[src]
@@ -149,44 +144,23 @@ class ParallelTextDataModule(RecipeDataModule):
         min_len: built-in: the shortest sentence.
         min_freq, max_vocab: vocabulary building (real data).
         synthetic_vocab: built-in vocabulary size (specials included).
-        synthetic_train_samples, synthetic_val_samples, reverse, seed: built-in data.
-        (and ``data_dir``, ``batch_size``, ``eval_batch_size``, ``num_workers``: see ``RecipeDataModule``)
+        reverse: built-in data: the target reversed.
+        (the other options, the built-in data set sizes and seed among them: see ``RecipeDataModule``)
     """
 
     data_dir_hint = "it must hold aligned text files <train_prefix>.<src_lang> and <train_prefix>.<tgt_lang>"
     collate_fn = staticmethod(pad_pairs)
 
-    def __init__(
-        self,
-        data_dir: Optional[str] = None,
-        batch_size: int = 64,
-        eval_batch_size: Optional[int] = None,
-        num_workers: int = 0,
-        src_lang: str = "en",
-        tgt_lang: str = "de",
-        train_prefix: str = "train",
-        val_prefix: str = "valid",
-        max_len: int = 100,
-        min_len: int = 4,
-        min_freq: int = 1,
-        max_vocab: Optional[int] = 32_000,
-        synthetic_vocab: int = 64,
-        synthetic_train_samples: int = 10_000,
-        synthetic_val_samples: int = 1_000,
-        reverse: bool = False,
-        seed: int = 0,
-    ) -> None:
-        super().__init__(data_dir, batch_size, eval_batch_size, num_workers)
-        self.max_len = check_int(max_len, "data.max_len", minimum=1)
-        self.min_len = check_int(min_len, "data.min_len", minimum=1)
-        if self.builtin and self.min_len > self.max_len:
-            raise RecipeConfigError("data.min_len", f"must be <= data.max_len ({max_len}), got {min_len}")
+    def __init__(self, *, batch_size: int = 64, src_lang: str = "en", tgt_lang: str = "de",
+                 train_prefix: str = "train", val_prefix: str = "valid", max_len: int = 100, min_len: int = 4,
+                 min_freq: int = 1, max_vocab: Optional[int] = 32_000, synthetic_vocab: int = 64,
+                 reverse: bool = False, **kwargs: Any) -> None:
+        super().__init__(batch_size=batch_size, **kwargs)
+        self.min_len, self.max_len = self._lengths("min_len", min_len, "max_len", max_len)
         self.min_freq = check_int(min_freq, "data.min_freq", minimum=1)
         self.max_vocab = check_int(max_vocab, "data.max_vocab", minimum=1) if max_vocab is not None else None
         self.synthetic_vocab = check_int(synthetic_vocab, "data.synthetic_vocab", minimum=len(SPECIALS) + 2)
-        self.synthetic_train_samples = check_int(synthetic_train_samples, "data.synthetic_train_samples", minimum=1)
-        self.synthetic_val_samples = check_int(synthetic_val_samples, "data.synthetic_val_samples", minimum=1)
-        self.reverse, self.seed = reverse, seed
+        self.reverse = reverse
         self.src_vocab: Optional[Vocab] = None
         self.tgt_vocab: Optional[Vocab] = None
         self._pairs: dict[str, list[tuple[list[str], list[str]]]] = {}

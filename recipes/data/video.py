@@ -33,13 +33,13 @@ from __future__ import annotations
 import csv
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from recipes.data.base import RecipeDataModule, sample_generator
+from recipes.data.base import BuiltinSamples, RecipeDataModule
 from recipes.errors import RecipeConfigError, check_float, check_int, require_file
 
 log = logging.getLogger(__name__)
@@ -55,25 +55,20 @@ def pad_sequences(samples: list[tuple[torch.Tensor, int]]) -> Batch:
     return features, lengths, labels
 
 
-class ActionSequences(Dataset):
+class ActionSequences(BuiltinSamples):
     """Built-in variable-length feature sequences whose label is the action they contain (module docstring)."""
 
     def __init__(self, num_samples: int, *, num_classes: int, feature_dim: int, min_frames: int, max_frames: int,
                  signal: float = 1.0, seed: int = 0, split: int = 0) -> None:
-        self.num_samples, self.num_classes, self.feature_dim = num_samples, num_classes, feature_dim
+        super().__init__(num_samples, seed, split)
+        self.num_classes, self.feature_dim = num_classes, feature_dim
         self.min_frames, self.max_frames, self.signal = min_frames, max_frames, signal
-        self.seed, self.split = seed, split
         g = torch.Generator().manual_seed(seed)
         patterns = torch.randn(num_classes, feature_dim, generator=g)
         self.patterns = patterns / patterns.norm(dim=1, keepdim=True) * feature_dim**0.5
 
-    def __len__(self) -> int:
-        return self.num_samples
-
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        if not 0 <= index < self.num_samples:
-            raise IndexError(index)
-        g = sample_generator(self.seed * 7919 + self.split + 1, index)
+        g = self.generator(index)
         label = int(torch.randint(self.num_classes, (1,), generator=g))
         frames = int(torch.randint(self.min_frames, self.max_frames + 1, (1,), generator=g))
         x = torch.randn(frames, self.feature_dim, generator=g)
@@ -152,39 +147,20 @@ class VideoFeaturesDataModule(RecipeDataModule):
             built-in: the longest generated).
         min_frames: built-in: the shortest sequence.
         feature_dim: built-in: features per frame (real: read from the files).
-        synthetic_classes, synthetic_train_samples, synthetic_val_samples, signal, seed:
-            built-in data's classes, sizes, action strength and seed.
-        (and ``data_dir``, ``batch_size``, ``eval_batch_size``, ``num_workers``: see ``RecipeDataModule``)
+        synthetic_classes, signal: built-in data's classes and action strength.
+        (the other options, the built-in data set sizes and seed among them: see ``RecipeDataModule``)
     """
 
     data_dir_hint = "it must hold train.csv and val.csv ('video,label' rows naming .npy feature files)"
     collate_fn = staticmethod(pad_sequences)
 
-    def __init__(
-        self,
-        data_dir: Optional[str] = None,
-        batch_size: int = 32,
-        eval_batch_size: Optional[int] = None,
-        num_workers: int = 0,
-        max_frames: int = 64,
-        min_frames: int = 8,
-        feature_dim: int = 64,
-        synthetic_classes: int = 10,
-        synthetic_train_samples: int = 8_000,
-        synthetic_val_samples: int = 1_000,
-        signal: float = 0.6,
-        seed: int = 0,
-    ) -> None:
-        super().__init__(data_dir, batch_size, eval_batch_size, num_workers)
-        self.max_frames = check_int(max_frames, "data.max_frames", minimum=1)
-        self.min_frames = check_int(min_frames, "data.min_frames", minimum=1)
-        if self.builtin and self.min_frames > self.max_frames:
-            raise RecipeConfigError("data.min_frames", f"must be <= data.max_frames ({max_frames}), got {min_frames}")
+    def __init__(self, *, max_frames: int = 64, min_frames: int = 8, feature_dim: int = 64,
+                 synthetic_classes: int = 10, synthetic_train_samples: int = 8_000, signal: float = 0.6,
+                 **kwargs: Any) -> None:
+        super().__init__(synthetic_train_samples=synthetic_train_samples, **kwargs)
+        self.min_frames, self.max_frames = self._lengths("min_frames", min_frames, "max_frames", max_frames)
         self.synthetic_classes = check_int(synthetic_classes, "data.synthetic_classes", minimum=2)
-        self.synthetic_train_samples = check_int(synthetic_train_samples, "data.synthetic_train_samples", minimum=1)
-        self.synthetic_val_samples = check_int(synthetic_val_samples, "data.synthetic_val_samples", minimum=1)
         self.signal = check_float(signal, "data.signal", minimum=0.0)
-        self.seed = seed
         self._feature_dim = check_int(feature_dim, "data.feature_dim", minimum=1)
         self._rows: dict[str, list[tuple[str, int]]] = {}
         if self.data_dir is not None:
