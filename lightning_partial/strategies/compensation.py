@@ -10,10 +10,12 @@ not known at construction):
   AdamW and the other optimizers with ``betas``), and ``"none"`` without
   momentum, where a late gradient is not amplified (nothing was measured to
   win there). Where gradients of different staleness share a round
-  (``eager_sgd``): ``"inverse"`` (on the imbalance benchmark it cost the least
-  accuracy at every bound tried; see ``docs/staleness.md``). Where a whole result is late by one round
-  (``abs_sgd``, ``spike=True``): ``"momentum"`` with spike compensation under
-  ``torch.optim.SGD`` with momentum, ``"none"`` otherwise.
+  (``eager_sgd``): ``"inverse"`` (it halves the most common case, a gradient
+  one round late, where ``"momentum"`` keeps most of it). Where a whole result
+  is late by one round (``abs_sgd``, ``spike=True``): ``"momentum"`` with spike
+  compensation under ``torch.optim.SGD`` with momentum (every result then acts
+  as much as on time), ``"none"`` otherwise. Measured in
+  ``docs/staleness.md#why-these-defaults``.
 * ``"momentum"``: the same, but an optimizer without momentum is an error.
 * ``"inverse"``, ``"none"``: as the engine defines them.
 

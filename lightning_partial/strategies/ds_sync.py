@@ -11,27 +11,20 @@ and a final one at the end of fit.
 and a late member's last model is averaged (once), but no rank runs more than
 4 rounds ahead of the slowest. DS-Sync's own rule, a group that waits for all
 of its members, lets a straggler hold back its group and, through the
-shuffling, everybody: a simulation of the benchmark's protocol (1 of 4 ranks
-sleeping 2x the compute per step) gives it 1.29x DDP's throughput, against
-1.84x for ``max_staleness=4`` and 1.99x unbounded. Unbounded, with no global
-average ever, the ranks' lag is a random walk: on the benchmark DS-Sync then
-lost 5.7 points of accuracy in one run and diverged (NaN) in another, while
-``max_staleness=4`` matched DDP (+0.01 points at 2.11x its throughput).
-``max_staleness=None`` restores the unbounded rule; ``mode="sync"`` makes every
-rank arrive before each group exchange.
+shuffling, everybody; unbounded, with no global average ever, the ranks' lag
+is a random walk that costs accuracy or diverges. Measured in
+docs/algorithms.md#ds-syncs-rounds. ``max_staleness=None`` restores the
+unbounded rule; ``mode="sync"`` makes every rank arrive before each group
+exchange.
 
-That bound lets a late rank's model be 4 rounds old when it is averaged, and
-with no periodic global average nothing resets the replicas: the undamped
-correction (``late="carry"``) is unstable from a lag of 3. On the real engine a
-persistently slow rank's distance from the others grew without bound (11 and
-647 after 300 rounds in two runs of the regression test in
-``tests/test_group_average.py``, which ``"damp"`` passes with the distance
-below 0.06 after round 200). Hence the default ``late="damp"``
-(:func:`~lightning_partial.collectives.apply_average`): stable for every lag,
-the sum of the replicas still conserved. On ``python -m benchmarks.imbalance --only
-ds_sync_imbalanced --delay-ms 99.8`` (one fit each): ``"damp"`` test loss
-0.569 (78.02%), ``"carry"`` 0.571 (78.21%, its training loss rising between
-steps 50-100 and 100-150), ``normalize="reference"`` 0.590 (77.66%).
+**Decision:** ``late="damp"`` by default
+(:func:`~lightning_partial.collectives.apply_average`). The bound lets a late
+rank's model be 4 rounds old when it is averaged, and with no periodic global
+average nothing resets the replicas: the undamped correction
+(``late="carry"``) is unstable from a lag of 3, the damped one stable for
+every lag, the sum of the replicas still conserved. Analysis and measurements
+in docs/algorithms.md#applying-the-average; the regression test is in
+``tests/test_group_average.py``.
 """
 
 from __future__ import annotations

@@ -58,18 +58,14 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             ``mode="quorum", backup_workers=b``: a round waits for all ranks but
             the last ``b`` to arrive (``"eager_sgd_backup"``: ``b = 1``); under
             momentum this keeps most of each round fresh where solo's is mostly
-            one round late (``docs/staleness.md``).
+            one round late (``docs/staleness.md#why-these-defaults``).
             **Decision:** ``max_staleness`` defaults to 2 here (the engine's
             default is unbounded, as the paper's solo). Unbounded, a straggler
-            falls several rounds behind and its gradients land up to 21 rounds
-            stale; under momentum 0.9 that cost solo 5 to 9 points of accuracy in
-            ``python -m benchmarks.imbalance`` (one straggler in 4 per step; 6 to 18
-            with a constant learning rate), against within 1 point there with
-            the bound, at the price of the fast ranks waiting for a rank more
-            than 2 rounds behind (0-22% of throughput in those runs: 1.67x DDP
-            against 2.13x unbounded in the worst). Majority
-            rarely reaches the bound. ``max_staleness=None`` restores the paper's
-            unbounded rule.
+            falls many rounds behind and its gradients, applied that stale
+            under momentum, cost accuracy; the bound keeps them recent, at the
+            price of the fast ranks waiting for a rank more than 2 rounds
+            behind. Measured in ``docs/algorithms.md#bounded-staleness``.
+            ``max_staleness=None`` restores the paper's unbounded rule.
         staleness_rule: how much of a carried (late) gradient enters its round:
             ``"auto"`` (default): ``"inverse"`` when the optimizer has momentum
             (SGD ``momentum``, Adam ``beta1``), else ``"none"``; ``"momentum"``:

@@ -7,26 +7,22 @@ activated by the first rank to arrive; a global average every ``tau`` rounds
 and at the end of fit. The contract is :mod:`lightning_partial.strategies.model_averaging`'s.
 
 Two documented deviations from the reference code (``opt_wagma_sgd_imagenet.py``
-in the authors' WAGMA-SGD repository), each measured on
-``python -m benchmarks.imbalance --only wagma_sgd_imbalanced --delay-ms 99.8`` (4 CPU
-ranks, 250 steps; one fit each, the damped correction, rank 0's model after the
-fit; test loss 0.568 and 78.12% accuracy at the defaults):
+in the authors' WAGMA-SGD repository); neither made a difference in loss or
+accuracy on the imbalance benchmark (measured in
+docs/algorithms.md#wagma-sgd-against-its-published-code):
 
 * **Period of the global average.** ``global_every=tau`` counts the global
   round: rounds ``tau-1, 2 tau-1, ...`` are global, so ``tau - 1`` group rounds
   separate them (9 at the default 10). The reference's ``LIMITER 10`` is 10
   wait-avoiding rounds, then one global: ``global_every=11`` here. The default
-  stays 10 (**Decision**: the same count as the engine's ``sync_every``;
-  ``global_every=11`` measured 0.569 and 78.08%, no difference).
+  stays 10 (**Decision**: the same count as the engine's ``sync_every``).
 * **Order of step and average.** Here the optimizer steps first and the stepped
   model is averaged (``order="step_then_average"``, **Decision**); the reference
   assigns the group average to the pre-step model and then applies the local
-  gradient (``order="average_then_step"``, available). Measured 0.569 and
-  78.04%: no difference in loss, but then a global round no longer leaves the
-  replicas identical (each applies its own gradient after it: the benchmark's
-  replica check, which expects identical replicas after every 10th step,
-  reports a mismatch); and in the default order a fresh group's members share
-  each other's latest gradient in the same round.
+  gradient (``order="average_then_step"``, available). In the reference order
+  a global round no longer leaves the replicas identical (each applies its own
+  gradient after it); in the default order a fresh group's members share each
+  other's latest gradient in the same round.
 """
 
 from __future__ import annotations
