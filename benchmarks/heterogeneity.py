@@ -255,11 +255,13 @@ def run_worker(args: argparse.Namespace) -> int:
         if args.interval is not None:  # the "time" trigger
             strategy: Any = lightning_partial.ABSSGDStrategy(trigger="time", interval=args.interval,
                                                              reference_samples=args.reference_samples,
-                                                             staleness_rule=args.staleness_rule)
+                                                             staleness_rule=args.staleness_rule,
+                                                             weight_prediction=args.weight_prediction)
         else:
             strategy = lightning_partial.ABSSGDStrategy(target_samples=args.target_samples,
                                                         reference_samples=args.reference_samples,
-                                                        staleness_rule=args.staleness_rule)
+                                                        staleness_rule=args.staleness_rule,
+                                                        weight_prediction=args.weight_prediction)
         if args.adaptive:
             callbacks.append(AdaptiveBatchSize(window=8, log=False))
     elif args.run == "no_comm":
@@ -388,6 +390,7 @@ def worker_command(args: argparse.Namespace, name: str) -> list[str]:
             *[item for option, value in optional.items() if value is not None for item in (option, str(value))],
             "--adaptive" if args.adaptive else "--no-adaptive", "--lr", str(args.lr),
             "--momentum", str(args.momentum), "--staleness-rule", args.staleness_rule,
+            "--weight-prediction" if args.weight_prediction else "--no-weight-prediction",
             "--abs-epochs", str(args.abs_epochs), "--threads", str(args.threads),
             *(["--thread-cpu"] if args.thread_cpu else [])]
 
@@ -487,7 +490,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
                         for key in per_repeat[0]}
     summary["per_repeat"] = per_repeat
     return {"model": args.model, "seed": args.seed, "lr": args.lr, "abs_lr": args.abs_lr, "momentum": args.momentum,
-            "staleness_rule": args.staleness_rule,
+            "staleness_rule": args.staleness_rule, "weight_prediction": args.weight_prediction,
             "speed": args.speed, "target_samples": args.target_samples if args.interval is None else None,
             "interval": args.interval, "reference_samples": args.reference_samples,
             "adaptive": args.adaptive,
@@ -567,6 +570,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--abs-lr", type=float, default=None,
                         help="abs_sgd's own learning rate (default: --lr); ddp and no_comm keep --lr")
     parser.add_argument("--momentum", type=float, default=0.0)
+    parser.add_argument("--weight-prediction", action=argparse.BooleanOptionalAction, default=True,
+                        help="abs_sgd's weight_prediction (default: on, the strategy's default; the results "
+                             "recorded before the option existed ran without it)")
     parser.add_argument("--staleness-rule", choices=("auto", "momentum", "inverse", "none"), default="auto",
                         help="abs_sgd's staleness_rule (auto: spike compensation under SGD momentum)")
     parser.add_argument("--thread-cpu", action="store_true",

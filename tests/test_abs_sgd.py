@@ -14,6 +14,7 @@ import lightning_partial
 from lightning_partial import ABSSGDStrategy
 from lightning_partial.callbacks import AdaptiveBatchSize
 from tests.distributed import in_process_fit
+from lightning_partial.strategies.abs_sgd import LAST_UPDATE_KEY
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY
 from tests.test_eager_sgd import FIT_ENV, assert_identical, fit_command
 
@@ -37,6 +38,8 @@ def test_registry_names():
         ({"interval": 2.0}, "only meaningful with trigger='time'"),
         ({"reference_samples": -512}, "reference_samples must be an integer >= 1"),
         ({"reference_samples": 51.2}, "reference_samples must be an integer >= 1"),
+        ({"reference_samples": "global"}, "reference_samples must be an integer >= 1, 'global_batch' or None"),
+        ({"weight_prediction": "yes"}, "weight_prediction must be a bool"),
         ({"staleness_rule": "delay"}, "unknown staleness_rule 'delay'"),
     ],
 )
@@ -162,10 +165,61 @@ def test_step_checkpoints_are_consistent_cuts_that_resume(tmp_path):
     saved = sorted((first / "ckpt").glob("epoch=*-step=*.ckpt"))
     assert len(saved) == steps // 5, [p.name for p in saved]  # one file per multiple, none skipped
     for path in saved:
-        states = torch.load(path, weights_only=False)[CHECKPOINT_KEY]["engines"][0]
+        checkpoint = torch.load(path, weights_only=False)
+        states = checkpoint[CHECKPOINT_KEY]["engines"][0]
         assert len({s["step"] for s in states}) == 1, path.name  # the same round on every rank
+        assert set(checkpoint[LAST_UPDATE_KEY]) == {0}, path.name  # weight prediction resumes where it was
     middle = saved[len(saved) // 2]
     second = tmp_path / "second"
     resumed = run_fit(second, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--resume", str(middle))
     assert_identical(second)
     assert len({r["global_step"] for r in resumed}) == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("weight_prediction", [True, False])
+def test_each_gradient_is_computed_at_the_predicted_weights(tmp_path, weight_prediction):
+    """One rank, AdamW (no staleness rule applies): the forward pass of every micro-batch sees the current
+    weights plus the last round's update (exactly: w + (w - w_before)), the weights are restored exactly
+    afterwards, and the first batches, before any update, see the weights as they are. Off: as they are."""
+    import lightning as L
+
+    seen: list[torch.Tensor] = []
+    actual: list[torch.Tensor] = []
+
+    class Recorder(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def on_train_batch_start(self, batch, batch_idx):
+            actual.append(self.net.weight.detach().clone())
+
+        def training_step(self, batch, batch_idx):
+            seen.append(self.net.weight.detach().clone())
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+    strategy = ABSSGDStrategy(weight_prediction=weight_prediction)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(96, 4, generator=g), torch.randn(96, 1, generator=g))
+    with in_process_fit():
+        trainer.fit(Recorder(), torch.utils.data.DataLoader(data, batch_size=8))
+    assert len(seen) == len(actual) >= 10
+    last_update = None
+    predicted = 0
+    for t in range(len(seen)):
+        if t > 0 and not torch.equal(actual[t], actual[t - 1]):
+            last_update = actual[t] - actual[t - 1]  # one optimizer step per batch at most: one round each
+        if weight_prediction and last_update is not None:
+            assert torch.equal(seen[t], actual[t] + last_update), t
+            predicted += 1
+        else:
+            assert torch.equal(seen[t], actual[t]), t
+    assert predicted >= (len(seen) - 3 if weight_prediction else 0)

@@ -10,6 +10,15 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   gradient of one ``optimizer.step()``, preceded by Lightning's
   ``on_before_optimizer_step`` hooks and gradient clipping; ``trainer.global_step``
   counts these steps (the applied rounds), not the micro-batches.
+* **Weight prediction** (``weight_prediction=True``, main thread, no collective).
+  A micro-batch's gradient is applied one round late: before its forward pass
+  the last round's update is added to the weights, and after its backward pass
+  the weights are restored from a copy (exactly, so replicas stay identical).
+  The last update is kept in checkpoints under :data:`LAST_UPDATE_KEY`.
+* **Step size per round** (``reference_samples="global_batch"``): a round's
+  update is its gradient sum over the global batch of a synchronous step, so a
+  round of fewer samples steps proportionally less (see docs/algorithms.md,
+  abs_sgd).
 * **LR schedulers** with ``interval="step"`` step once per applied round,
   right after its ``optimizer.step()`` (``frequency`` counts rounds), not once
   per batch as Lightning would: every rank then uses the same learning rate
@@ -43,7 +52,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from collections.abc import Sized
-from typing import Any, Callable, Optional, cast
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -66,6 +75,12 @@ from lightning_partial.strategies.options import StrategyOptions
 from lightning_partial.strategies.partial import PartialStrategy, StepModel
 
 log = logging.getLogger(__name__)
+
+#: The checkpoint entry holding the last round's update per optimizer (``weight_prediction``):
+#: the same on every rank, written once by rank 0.
+LAST_UPDATE_KEY = "lightning_partial_last_update"
+#: ``reference_samples``' default: the global batch of a synchronous step (resolved at the start of fit).
+GLOBAL_BATCH = "global_batch"
 
 
 @dataclass
@@ -105,12 +120,18 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             requests a round; default: its micro-batch size (the fastest rank's
             every micro-batch starts a round).
         interval: ``"time"``: seconds between a rank's contributions.
-        reference_samples: ``None`` (default): each round's update is the
-            sample-weighted mean gradient (the paper's rule). An integer ``B``:
-            the mean is scaled by the round's samples over ``B`` (the update is
-            ``lr * sum_i G_i / B``), the linear scaling rule per round: set ``B``
-            to the global batch the learning rate was tuned for (under DDP,
-            ``devices x num_nodes x batch_size``). For plain SGD this is the
+        reference_samples: ``"global_batch"`` (default): ``B`` below is the
+            global batch of a synchronous step, the world size times the train
+            loader's batch size at the start of fit (what DDP steps with).
+            An integer ``B``: the sample-weighted mean gradient is scaled by the
+            round's samples over ``B`` (the update is ``lr * sum_i G_i / B``),
+            the linear scaling rule per round: a round of fewer samples than a
+            synchronous step takes a proportionally smaller step, so the learning
+            rate tuned for DDP stays right. ``None``: each round's update is the
+            sample-weighted mean gradient whatever the round's samples (the
+            paper's rule: a round of 38 samples then takes a full step, which at
+            DDP's learning rate cost 25-57 points in the main job, see
+            docs/staleness.md). For plain SGD this is the
             learning rate scaled per round (weight decay excepted); with momentum
             each round's gradient enters the buffer scaled; Adam-like optimizers
             normalise a constant scale away, not one that varies by round.
@@ -132,6 +153,13 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             RMSprop's running scale has no such plain step).
             ``"inverse"``: the result is halved (weight ``1 / (1 + 1)``).
             ``"none"``: every result whole (the paper's rule).
+        weight_prediction: ``True`` (default): each micro-batch's gradient is
+            computed at the weights it will be applied to, predicted as the current
+            weights plus the last round's update (linear weight prediction for a
+            delay of one round); the weights are restored from a copy afterwards,
+            so replicas stay bit-identical. Costs one copy of the parameters and of
+            the last update. Works with any optimizer. ``False``: the gradient of
+            the current weights (the paper's rule).
         shuffle, seed: the elastic sampler's shuffling (as ``DistributedSampler``'s).
         timeout, collective_timeout, process_group_backend, start_method: as for every strategy here.
     """
@@ -146,8 +174,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         trigger: str = "samples",
         target_samples: Optional[int] = None,
         interval: Optional[float] = None,
-        reference_samples: Optional[int] = None,
+        reference_samples: Union[int, str, None] = "global_batch",
         staleness_rule: str = "auto",
+        weight_prediction: bool = True,
         shuffle: bool = True,
         seed: int = 0,
         **kwargs: Unpack[StrategyOptions],
@@ -158,12 +187,24 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self.trigger = cast(Trigger, trigger)
         self.target_samples = target_samples
         self.interval = interval
+        if isinstance(reference_samples, str) and reference_samples != GLOBAL_BATCH:
+            raise ValueError(
+                f"abs_sgd: reference_samples must be an integer >= 1, {GLOBAL_BATCH!r} or None, got {reference_samples!r}"
+            )
         self.reference_samples = reference_samples
-        # Validated now; at set-up the target defaults to the micro-batch size (not known yet: 1 stands in).
-        self._delayed_config(target_samples=1 if target_samples is None and trigger == "samples" else target_samples)
+        # Validated now; at set-up the target defaults to the micro-batch size and the reference to
+        # the global batch (neither known yet: 1 stands in).
+        self._delayed_config(target_samples=1 if target_samples is None and trigger == "samples" else target_samples,
+                             reference_samples=1 if reference_samples == GLOBAL_BATCH else reference_samples)
         self.shuffle = shuffle
         self.seed = seed
         self.staleness_rule = compensation.check_rule(staleness_rule, owner=self.strategy_name)
+        if not isinstance(weight_prediction, bool):
+            raise ValueError(f"abs_sgd: weight_prediction must be a bool, got {weight_prediction!r}")
+        self.weight_prediction = weight_prediction
+        # Per optimizer index: the last round's update of each parameter (weight prediction).
+        self._last_update: dict[int, list[torch.Tensor]] = {}
+        self._resumed_update: Optional[dict[int, list[torch.Tensor]]] = None  # from a checkpoint, until train start
         # Per optimizer index, resolved against the optimizers at set-up.
         self._staleness: dict[int, StalenessWeights] = {}
         self.sampler: Optional[ElasticBatchSampler] = None
@@ -247,13 +288,13 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self._epoch_samples = self.sampler.num_samples
         return dataloader
 
-    def _delayed_config(self, target_samples: Optional[int], **fit: Any) -> DelayedConfig:
+    def _delayed_config(self, target_samples: Optional[int], reference_samples: Any, **fit: Any) -> DelayedConfig:
         """The engine's configuration from this strategy's options and ``fit``'s (epochs, rounds, name)."""
         return DelayedConfig(
             trigger=self.trigger,
             target_samples=target_samples,
             interval=self.interval,
-            reference_samples=self.reference_samples,
+            reference_samples=reference_samples,
             timeout=self._timeout,
             collective_timeout=self._collective_timeout,
             **fit,
@@ -267,9 +308,15 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         target = self.target_samples
         if self.trigger == "samples" and target is None:
             target = self.sampler.batch_size
+        reference = self.reference_samples
+        if reference == GLOBAL_BATCH:
+            # The loader's batch size at the start of fit: the same on every rank (AdaptiveBatchSize
+            # changes it later, per rank), so every rank divides by the same B.
+            reference = self.sampler.batch_size * self.world_size
         max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
         config = self._delayed_config(
             target,
+            reference,
             epoch_samples=self._epoch_samples,
             max_epochs=max_epochs,
             max_rounds=trainer.max_steps if trainer.max_steps > 0 else None,
@@ -317,8 +364,24 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     def _engine_step(self, index: int, optimizer: Optimizer, closure: Callable[[], Any], model: StepModel,
                      kwargs: dict[str, Any]) -> Any:
         """The micro-batch (closure), its deposit, then one optimizer step per round result now due."""
-        output = closure()
         params = self._params[index]
+        update = self._last_update.get(index) if self.weight_prediction else None
+        saved: Optional[list[torch.Tensor]] = None
+        if update is not None:
+            # The micro-batch's gradient is applied one round late, to weights one update further on:
+            # compute it there, predicted as today's weights plus the last round's update. The weights
+            # are restored from a copy, not by subtracting: (w + u) - u is not w in floating point, and
+            # ranks that run different numbers of micro-batches would drift apart.
+            with torch.no_grad():
+                saved = [p.detach().clone() for p in params]
+                torch._foreach_add_(params, update)
+        try:
+            output = closure()
+        finally:
+            if saved is not None:
+                with torch.no_grad():
+                    for p, w in zip(params, saved):
+                        p.copy_(w)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         results = self._engines[index].deposit(grads, samples=max(self._batch_samples, 1))
         self._apply(index, optimizer, results, model)
@@ -346,11 +409,16 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                 if weight != 1.0:
                     p.grad.mul_(weight)
             _compat.before_optimizer_step(self.precision_plugin, module, optimizer)
+            before = [p.detach().clone() for p in params] if self.weight_prediction else None
             optimizer.step()
             if spike:
                 # From the gradients as clipped (weight * g after clipping): the same direction and scale.
                 stepped = [(p, p.grad) for p in params if p.grad is not None]
                 compensation.apply_spike(optimizer, [p for p, _ in stepped], [g for _, g in stepped], spike / weight)
+            if before is not None:
+                torch._foreach_sub_(before, [p.detach() for p in params])
+                torch._foreach_neg_(before)
+                self._last_update[index] = before
             if step_schedulers:
                 # Per round, not per batch: every rank then steps its schedulers at the same rounds.
                 _compat.step_round_schedulers(self._trainer, optimizer, result.stats.round_index)
@@ -391,6 +459,12 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        resumed, self._resumed_update = self._resumed_update, None
+        if self.weight_prediction and resumed:
+            for index, update in resumed.items():
+                params = self._params.get(index)
+                if params is not None and [u.shape for u in update] == [p.shape for p in params]:
+                    self._last_update[index] = [u.to(device=p.device, dtype=p.dtype) for u, p in zip(update, params)]
         trainer = self._trainer
         if self._engines:
             _compat.step_schedulers_by_rounds(trainer)
@@ -425,7 +499,16 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
-        """Quiesces the engines (nothing in flight), gathers their state, then lets them go on."""
+        """Quiesces the engines (nothing in flight), gathers their state, then lets them go on.
+
+        With ``weight_prediction`` the last round's update goes into the file too
+        (:data:`LAST_UPDATE_KEY`), so that a resumed fit predicts its first round as
+        the uninterrupted one would have.
+        """
+        if self._last_update:
+            checkpoint[LAST_UPDATE_KEY] = {
+                i: [u.detach().cpu().clone() for u in update] for i, update in self._last_update.items()
+            }
         if self._engines and not self._stopped:
             self._quiesce()
             try:
@@ -435,3 +518,11 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                     engine.resume()
             return
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """As :class:`PartialStrategy`'s, and keeps the last round's update for ``weight_prediction``."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        saved = checkpoint.get(LAST_UPDATE_KEY)
+        self._resumed_update = dict(saved) if isinstance(saved, dict) else None
+        return checkpoint
