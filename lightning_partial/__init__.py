@@ -39,6 +39,8 @@ _LAZY = ("ABSSGDStrategy", "DSSyncStrategy", "EagerSGDStrategy", "WAGMAStrategy"
 
 
 def __getattr__(name: str) -> Any:
+    if name == "strategies":  # a submodule: reachable as an attribute after a bare `import lightning_partial`
+        return importlib.import_module(f"{__name__}.strategies")
     if name in _LAZY:
         value = getattr(importlib.import_module("lightning_partial.strategies"), name)
         globals()[name] = value  # later accesses skip this function

@@ -12,9 +12,10 @@
   ``sys.meta_path``. It answers for ``lightning.pytorch`` alone: it asks the
   other finders for the module's spec, as the import system would, and wraps
   the spec's loader so that, right after ``lightning.pytorch`` has executed,
-  the strategies register. It removes itself from ``sys.meta_path`` when it
-  fires and puts the module's own loader back, so the module looks as if
-  imported normally.
+  the strategies register. Once the module has executed it removes itself
+  from ``sys.meta_path`` and puts the module's own loader back, so the module
+  looks as if imported normally (a spec lookup without an import, or an
+  import that fails, leaves it in place for the next attempt).
 
 Registration is idempotent (a name already in the registry is left alone) and
 importing :mod:`lightning_partial.strategies` registers too, so any path that
@@ -49,8 +50,9 @@ def _register() -> None:
 class _RegisteringLoader(importlib.abc.Loader):
     """``lightning.pytorch``'s own loader, plus registration once the module has executed."""
 
-    def __init__(self, loader: importlib.abc.Loader) -> None:
+    def __init__(self, loader: importlib.abc.Loader, finder: "_RegisterAfterImport") -> None:
         self._loader = loader
+        self._finder = finder
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
         return self._loader.create_module(spec)
@@ -63,6 +65,7 @@ class _RegisteringLoader(importlib.abc.Loader):
             module.__loader__ = self._loader
             if module.__spec__ is not None:
                 module.__spec__.loader = self._loader
+        _uninstall(self._finder)  # only now: the module has executed
         try:
             _register()
         except Exception as err:  # never break `import lightning` for the user: say what failed
@@ -85,13 +88,14 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     ) -> Optional[importlib.machinery.ModuleSpec]:
         if fullname != _TARGET:
             return None
-        _uninstall(self)
         for finder in list(sys.meta_path):
+            if finder is self:
+                continue
             find = getattr(finder, "find_spec", None)
             spec = find(fullname, path, target) if find is not None else None
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _RegisteringLoader(spec.loader)
+                    spec.loader = _RegisteringLoader(spec.loader, self)
                 return spec
         return None
 

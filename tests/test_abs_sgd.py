@@ -176,6 +176,15 @@ def test_step_checkpoints_are_consistent_cuts_that_resume(tmp_path):
     assert len({r["global_step"] for r in resumed}) == 1
 
 
+@pytest.mark.timeout(300)
+def test_the_global_batch_is_agreed_when_the_ranks_loaders_differ(tmp_path):
+    """reference_samples="global_batch" with loader batch sizes 16, 16, 8, 8: every rank divides by the same
+    sum (48), so the replicas end bit-identical."""
+    out = tmp_path / "run"
+    run_fit(out, "--rank-batch-sizes", "16,16,8,8", "--max-epochs", "1")
+    assert_identical(out)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("weight_prediction", [True, False])
 def test_each_gradient_is_computed_at_the_predicted_weights(tmp_path, weight_prediction):
@@ -223,3 +232,38 @@ def test_each_gradient_is_computed_at_the_predicted_weights(tmp_path, weight_pre
         else:
             assert torch.equal(seen[t], actual[t]), t
     assert predicted >= (len(seen) - 3 if weight_prediction else 0)
+
+
+@pytest.mark.timeout(120)
+def test_a_fit_predicts_nothing_from_an_earlier_one(tmp_path):
+    """A strategy holding a last update from an earlier fit of another model (as after a tuner's trial fit)
+    starts the next fit without it: the first batch sees the weights as they are, and the shapes differ."""
+    import lightning as L
+
+    first_seen: list[torch.Tensor] = []
+
+    class Model(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(3, 2)
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 0:
+                first_seen.append(self.net.weight.detach().clone())
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    strategy = ABSSGDStrategy()
+    strategy._last_update = {0: [torch.ones(2, 4), torch.ones(2)]}  # what an earlier fit of a 4-input model leaves
+    model = Model()
+    initial = model.net.weight.detach().clone()
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)
+    data = torch.utils.data.TensorDataset(torch.randn(48, 3), torch.randn(48, 2))
+    with in_process_fit():
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    assert torch.equal(first_seen[0], initial)

@@ -89,3 +89,27 @@ def test_the_hook_is_idempotent() -> None:
         assert not any(isinstance(f, _registration._RegisterAfterImport) for f in sys.meta_path)
         assert "eager_sgd" in lightning.pytorch.strategies.StrategyRegistry
     """)
+
+
+def test_a_spec_lookup_leaves_the_hook_for_the_import() -> None:
+    """A lookup of lightning.pytorch's spec that imports nothing does not use the hook up."""
+    run_python("""
+        import sys
+        import lightning_partial
+        from lightning_partial._registration import _RegisterAfterImport
+        hook = next(f for f in sys.meta_path if isinstance(f, _RegisterAfterImport))
+        hook.find_spec("lightning.pytorch", None)  # the lookup alone
+        assert hook in sys.meta_path  # still there: nothing was imported
+        import lightning.pytorch as pl
+        assert "eager_sgd" in pl.strategies.StrategyRegistry
+        assert hook not in sys.meta_path
+    """)
+
+
+def test_the_strategies_submodule_is_an_attribute_after_a_bare_import() -> None:
+    run_python("""
+        import lightning_partial
+        lightning_partial.strategies.register_strategies()  # what the hook's warning tells a user to call
+        import lightning.pytorch as pl
+        assert "abs_sgd" in pl.strategies.StrategyRegistry
+    """)

@@ -121,8 +121,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             every micro-batch starts a round).
         interval: ``"time"``: seconds between a rank's contributions.
         reference_samples: ``"global_batch"`` (default): ``B`` below is the
-            global batch of a synchronous step, the world size times the train
-            loader's batch size at the start of fit (what DDP steps with).
+            global batch of a synchronous step: the sum of the ranks' train-loader
+            batch sizes at the start of fit, agreed by one allreduce (the world size
+            times the batch size, what DDP steps with, when they are equal).
             An integer ``B``: the sample-weighted mean gradient is scaled by the
             round's samples over ``B`` (the update is ``lr * sum_i G_i / B``),
             the linear scaling rule per round: a round of fewer samples than a
@@ -157,8 +158,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             computed at the weights it will be applied to, predicted as the current
             weights plus the last round's update (linear weight prediction for a
             delay of one round); the weights are restored from a copy afterwards,
-            so replicas stay bit-identical. Costs one copy of the parameters and of
-            the last update. Works with any optimizer. ``False``: the gradient of
+            so replicas stay bit-identical. Costs two parameter-sized buffers (the
+            last update, and the weights' copy during a micro-batch). Works with any optimizer. ``False``: the gradient of
             the current weights (the paper's rule).
         shuffle, seed: the elastic sampler's shuffling (as ``DistributedSampler``'s).
         timeout, collective_timeout, process_group_backend, start_method: as for every strategy here.
@@ -310,9 +311,14 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             target = self.sampler.batch_size
         reference = self.reference_samples
         if reference == GLOBAL_BATCH:
-            # The loader's batch size at the start of fit: the same on every rank (AdaptiveBatchSize
-            # changes it later, per rank), so every rank divides by the same B.
-            reference = self.sampler.batch_size * self.world_size
+            # Every rank must divide by the same B: one SUM of the ranks' loader batch sizes (every
+            # rank, main thread, collective group, once per engine). World size x batch size when the
+            # sizes are equal; a per-rank ElasticBatchSampler or one AdaptiveBatchSize resized in an
+            # earlier fit may differ.
+            sizes = torch.tensor([self.sampler.batch_size], dtype=torch.int64)
+            if self.world_size > 1:
+                dist.all_reduce(sizes, op=dist.ReduceOp.SUM, group=self.collective_group)
+            reference = int(sizes.item())
         max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
         config = self._delayed_config(
             target,
@@ -374,14 +380,14 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             # ranks that run different numbers of micro-batches would drift apart.
             with torch.no_grad():
                 saved = [p.detach().clone() for p in params]
-                torch._foreach_add_(params, update)
+                torch._foreach_add_([p.detach() for p in params], update)
         try:
             output = closure()
         finally:
             if saved is not None:
                 with torch.no_grad():
-                    for p, w in zip(params, saved):
-                        p.copy_(w)
+                    torch._foreach_copy_([p.detach() for p in params], saved)
+                saved = None  # not held while the results are applied
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         results = self._engines[index].deposit(grads, samples=max(self._batch_samples, 1))
         self._apply(index, optimizer, results, model)
@@ -409,15 +415,19 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                 if weight != 1.0:
                     p.grad.mul_(weight)
             _compat.before_optimizer_step(self.precision_plugin, module, optimizer)
-            before = [p.detach().clone() for p in params] if self.weight_prediction else None
+            before: Optional[list[torch.Tensor]] = None
+            if self.weight_prediction:
+                # The last update's buffers are reused: they hold the weights before the step, then the update.
+                before = self._last_update.pop(index, None) or [torch.empty_like(p.detach()) for p in params]
+                torch._foreach_copy_(before, [p.detach() for p in params])
             optimizer.step()
             if spike:
                 # From the gradients as clipped (weight * g after clipping): the same direction and scale.
                 stepped = [(p, p.grad) for p in params if p.grad is not None]
                 compensation.apply_spike(optimizer, [p for p, _ in stepped], [g for _, g in stepped], spike / weight)
             if before is not None:
-                torch._foreach_sub_(before, [p.detach() for p in params])
                 torch._foreach_neg_(before)
+                torch._foreach_add_(before, [p.detach() for p in params])  # after - before, exactly
                 self._last_update[index] = before
             if step_schedulers:
                 # Per round, not per batch: every rank then steps its schedulers at the same rounds.
@@ -459,6 +469,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._last_update = {}  # never a previous fit's update (or another model's)
         resumed, self._resumed_update = self._resumed_update, None
         if self.weight_prediction and resumed:
             for index, update in resumed.items():
@@ -523,6 +534,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """As :class:`PartialStrategy`'s, and keeps the last round's update for ``weight_prediction``."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        saved = checkpoint.get(LAST_UPDATE_KEY)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        fitting = trainer is None or trainer.state.fn == pl.trainer.states.TrainerFn.FITTING
+        saved = checkpoint.get(LAST_UPDATE_KEY) if fitting else None  # as the engines' state (PartialStrategy)
         self._resumed_update = dict(saved) if isinstance(saved, dict) else None
         return checkpoint

@@ -197,6 +197,8 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=None,
                         help="ModelCheckpoint(every_n_train_steps=N, save_top_k=-1, save_last=True) into <out>/ckpt")
     parser.add_argument("--sleep-at", default=None, help="BATCH:RANK:SECONDS: that rank sleeps in that step")
+    parser.add_argument("--rank-batch-sizes", default=None,
+                        help="one loader batch size per rank, e.g. 16,16,8,8 (default: 16 on every rank)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -204,7 +206,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2048, 8, generator=g)
     y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(2048, 1, generator=g)
-    loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+    batch_size = 16
+    if args.rank_batch_sizes is not None:  # LOCAL_RANK: set by Lightning's launcher in the other ranks
+        batch_size = [int(b) for b in args.rank_batch_sizes.split(",")][int(os.environ.get("LOCAL_RANK", "0"))]
+    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True)
     model = Regressor(batchnorm=args.batchnorm, unused=args.unused, rank0_only=args.rank0_only)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.step_scheduler = args.step_scheduler
