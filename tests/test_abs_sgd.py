@@ -185,41 +185,51 @@ def test_the_global_batch_is_agreed_when_the_ranks_loaders_differ(tmp_path):
     assert_identical(out)
 
 
+def recorded_fit(strategy, tmp_path: Path, *, inputs: int, outputs: int, samples: int, optimizer):
+    """A 1-process fit (one epoch, batches of 8) of a linear model that records its weights per batch: at the
+    batch start (``actual``) and as the forward pass sees them (``seen``); returns the model."""
+    import lightning as L
+
+    class Model(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(inputs, outputs)
+            self.initial = self.net.weight.detach().clone()
+            self.actual: list[torch.Tensor] = []
+            self.seen: list[torch.Tensor] = []
+
+        def on_train_batch_start(self, batch, batch_idx):
+            self.actual.append(self.net.weight.detach().clone())
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append(self.net.weight.detach().clone())
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return optimizer(self.parameters())
+
+    model = Model()
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(samples, inputs, generator=g),
+                                          torch.randn(samples, outputs, generator=g))
+    with in_process_fit():
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    return model
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("weight_prediction", [True, False])
 def test_each_gradient_is_computed_at_the_predicted_weights(tmp_path, weight_prediction):
     """One rank, AdamW (no staleness rule applies): the forward pass of every micro-batch sees the current
     weights plus the last round's update (exactly: w + (w - w_before)), the weights are restored exactly
     afterwards, and the first batches, before any update, see the weights as they are. Off: as they are."""
-    import lightning as L
-
-    seen: list[torch.Tensor] = []
-    actual: list[torch.Tensor] = []
-
-    class Recorder(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Linear(4, 1)
-
-        def on_train_batch_start(self, batch, batch_idx):
-            actual.append(self.net.weight.detach().clone())
-
-        def training_step(self, batch, batch_idx):
-            seen.append(self.net.weight.detach().clone())
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=0.05)
-
-    strategy = ABSSGDStrategy(weight_prediction=weight_prediction)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp_path)
-    g = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(96, 4, generator=g), torch.randn(96, 1, generator=g))
-    with in_process_fit():
-        trainer.fit(Recorder(), torch.utils.data.DataLoader(data, batch_size=8))
+    model = recorded_fit(ABSSGDStrategy(weight_prediction=weight_prediction), tmp_path, inputs=4, outputs=1,
+                         samples=96, optimizer=lambda params: torch.optim.AdamW(params, lr=0.05))
+    seen, actual = model.seen, model.actual
     assert len(seen) == len(actual) >= 10
     last_update = None
     predicted = 0
@@ -238,32 +248,8 @@ def test_each_gradient_is_computed_at_the_predicted_weights(tmp_path, weight_pre
 def test_a_fit_predicts_nothing_from_an_earlier_one(tmp_path):
     """A strategy holding a last update from an earlier fit of another model (as after a tuner's trial fit)
     starts the next fit without it: the first batch sees the weights as they are, and the shapes differ."""
-    import lightning as L
-
-    first_seen: list[torch.Tensor] = []
-
-    class Model(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Linear(3, 2)
-
-        def training_step(self, batch, batch_idx):
-            if batch_idx == 0:
-                first_seen.append(self.net.weight.detach().clone())
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-
     strategy = ABSSGDStrategy()
     strategy._last_update = {0: [torch.ones(2, 4), torch.ones(2)]}  # what an earlier fit of a 4-input model leaves
-    model = Model()
-    initial = model.net.weight.detach().clone()
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp_path)
-    data = torch.utils.data.TensorDataset(torch.randn(48, 3), torch.randn(48, 2))
-    with in_process_fit():
-        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
-    assert torch.equal(first_seen[0], initial)
+    model = recorded_fit(strategy, tmp_path, inputs=3, outputs=2, samples=48,
+                         optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9))
+    assert torch.equal(model.seen[0], model.initial)
