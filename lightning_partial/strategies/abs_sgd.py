@@ -65,7 +65,7 @@ from typing_extensions import Unpack, override
 
 import lightning.pytorch as pl
 from lightning_partial import _compat
-from lightning_partial.collectives import RoundResult, RoundStats
+from lightning_partial.collectives import PartialCollectiveError, RoundResult, RoundStats
 from lightning_partial.collectives.delayed import TRIGGERS, DelayedAllreduce, DelayedConfig, Trigger
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.data import ElasticBatchSampler
@@ -317,7 +317,13 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             # earlier fit may differ.
             sizes = torch.tensor([self.sampler.batch_size], dtype=torch.int64)
             if self.world_size > 1:
-                dist.all_reduce(sizes, op=dist.ReduceOp.SUM, group=self.collective_group)
+                try:  # bounded by the collective group's timeout
+                    dist.all_reduce(sizes, op=dist.ReduceOp.SUM, group=self.collective_group)
+                except RuntimeError as err:
+                    raise PartialCollectiveError(
+                        f"abs_sgd: agreeing on reference_samples='global_batch' (the ranks' loader batch sizes) "
+                        f"at the start of fit failed: {err}", rank=self.global_rank, round_index=0,
+                    ) from err
             reference = int(sizes.item())
         max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
         config = self._delayed_config(
