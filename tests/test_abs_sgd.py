@@ -14,7 +14,7 @@ import lightning_partial
 from lightning_partial import ABSSGDStrategy
 from lightning_partial.callbacks import AdaptiveBatchSize
 from tests.distributed import in_process_fit
-from lightning_partial.strategies.abs_sgd import LAST_UPDATE_KEY
+from lightning_partial.strategies.prediction import LAST_UPDATE_KEY
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY
 from tests.test_eager_sgd import FIT_ENV, assert_identical, fit_command
 
@@ -183,73 +183,3 @@ def test_the_global_batch_is_agreed_when_the_ranks_loaders_differ(tmp_path):
     out = tmp_path / "run"
     run_fit(out, "--rank-batch-sizes", "16,16,8,8", "--max-epochs", "1")
     assert_identical(out)
-
-
-def recorded_fit(strategy, tmp_path: Path, *, inputs: int, outputs: int, samples: int, optimizer):
-    """A 1-process fit (one epoch, batches of 8) of a linear model that records its weights per batch: at the
-    batch start (``actual``) and as the forward pass sees them (``seen``); returns the model."""
-    import lightning as L
-
-    class Model(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Linear(inputs, outputs)
-            self.initial = self.net.weight.detach().clone()
-            self.actual: list[torch.Tensor] = []
-            self.seen: list[torch.Tensor] = []
-
-        def on_train_batch_start(self, batch, batch_idx):
-            self.actual.append(self.net.weight.detach().clone())
-
-        def training_step(self, batch, batch_idx):
-            self.seen.append(self.net.weight.detach().clone())
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self):
-            return optimizer(self.parameters())
-
-    model = Model()
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp_path)
-    g = torch.Generator().manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(samples, inputs, generator=g),
-                                          torch.randn(samples, outputs, generator=g))
-    with in_process_fit():
-        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
-    return model
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("weight_prediction", [True, False])
-def test_each_gradient_is_computed_at_the_predicted_weights(tmp_path, weight_prediction):
-    """One rank, AdamW (no staleness rule applies): the forward pass of every micro-batch sees the current
-    weights plus the last round's update (exactly: w + (w - w_before)), the weights are restored exactly
-    afterwards, and the first batches, before any update, see the weights as they are. Off: as they are."""
-    model = recorded_fit(ABSSGDStrategy(weight_prediction=weight_prediction), tmp_path, inputs=4, outputs=1,
-                         samples=96, optimizer=lambda params: torch.optim.AdamW(params, lr=0.05))
-    seen, actual = model.seen, model.actual
-    assert len(seen) == len(actual) >= 10
-    last_update = None
-    predicted = 0
-    for t in range(len(seen)):
-        if t > 0 and not torch.equal(actual[t], actual[t - 1]):
-            last_update = actual[t] - actual[t - 1]  # one optimizer step per batch at most: one round each
-        if weight_prediction and last_update is not None:
-            assert torch.equal(seen[t], actual[t] + last_update), t
-            predicted += 1
-        else:
-            assert torch.equal(seen[t], actual[t]), t
-    assert predicted >= (len(seen) - 3 if weight_prediction else 0)
-
-
-@pytest.mark.timeout(120)
-def test_a_fit_predicts_nothing_from_an_earlier_one(tmp_path):
-    """A strategy holding a last update from an earlier fit of another model (as after a tuner's trial fit)
-    starts the next fit without it: the first batch sees the weights as they are, and the shapes differ."""
-    strategy = ABSSGDStrategy()
-    strategy._last_update = {0: [torch.ones(2, 4), torch.ones(2)]}  # what an earlier fit of a 4-input model leaves
-    model = recorded_fit(strategy, tmp_path, inputs=3, outputs=2, samples=48,
-                         optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9))
-    assert torch.equal(model.seen[0], model.initial)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_partial.collectives.layout import TensorLayout
+from lightning_partial.strategies.prediction import WeightPrediction
 
 
 def tensors() -> list[torch.Tensor]:
@@ -97,3 +98,49 @@ def test_recycled_buffer_sets_are_reused_and_the_pool_is_bounded():
     for _ in range(3):  # at most max_free sets were kept: two hits, then a miss
         layout.take()
     assert layout.allocations == 5
+
+
+def test_weight_prediction_predicts_restores_and_keeps_the_update_exactly():
+    """begin/predicted/finish: the weights are w + u inside, exactly w after, and u becomes w_after - w_before;
+    two buffers serve every step (the copy becomes the update, the old update the next copy)."""
+    params = [torch.tensor([1.0, 2.0]), torch.tensor([0.1])]
+    prediction = WeightPrediction()
+    before = prediction.begin(0, params)
+    with prediction.predicted(0, params, before):
+        assert torch.equal(params[0], torch.tensor([1.0, 2.0]))  # no update yet: nothing predicted
+    params[0].sub_(0.3)
+    params[1].add_(0.7)  # "the optimizer step"
+    prediction.finish(0, params, before)
+    update = prediction.update(0)
+    assert update is before
+    assert torch.equal(update[0], torch.tensor([1.0, 2.0]) - 0.3 - torch.tensor([1.0, 2.0]))
+    w = [p.clone() for p in params]
+    second = prediction.begin(0, params)
+    with prediction.predicted(0, params, second):
+        assert all(torch.equal(p, x + u) for p, x, u in zip(params, w, update))
+    assert all(torch.equal(p, x) for p, x in zip(params, w))  # restored exactly, not by subtraction
+    prediction.finish(0, params, second)
+    assert prediction.begin(0, params) is update  # the old update's buffers are reused
+
+
+def test_weight_prediction_survives_a_checkpoint_but_not_another_model():
+    params = {0: [torch.zeros(2), torch.zeros(1)]}
+    prediction = WeightPrediction()
+    before = prediction.begin(0, params[0])
+    params[0][0].add_(1.0)
+    prediction.finish(0, params[0], before)
+    checkpoint: dict = {}
+    prediction.save(checkpoint)
+    resumed = WeightPrediction()
+    resumed.load(checkpoint)
+    resumed.reset(params)
+    assert torch.equal(resumed.update(0)[0], torch.ones(2))
+    other = WeightPrediction()
+    other.load(checkpoint)
+    other.reset({0: [torch.zeros(3)]})  # another model's shapes: nothing predicted
+    assert other.update(0) is None
+    loaded_elsewhere = WeightPrediction()
+    loaded_elsewhere.load(checkpoint)
+    loaded_elsewhere.forget_loaded()  # a checkpoint loaded to validate, not to fit
+    loaded_elsewhere.reset(params)
+    assert loaded_elsewhere.update(0) is None

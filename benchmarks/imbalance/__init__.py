@@ -32,7 +32,11 @@ paper's ``staleness_rule="none"`` at the default bound),
 ``eager_sgd_s4_momentum_imbalanced`` (rule ``"momentum"``),
 ``eager_sgd_unbounded_drop_imbalanced`` (fresh-only rounds) and
 ``eager_sgd_backup_imbalanced`` (``strategy="eager_sgd_backup"``: a round waits
-for 3 of the 4 ranks). The strategy's
+for 3 of the 4 ranks); weight prediction off (the strategy's default is on):
+``eager_sgd_no_prediction_imbalanced``, ``eager_sgd_unbounded_no_prediction_imbalanced``,
+``eager_sgd_backup_no_prediction_imbalanced``; and with it on,
+``eager_sgd_s4_imbalanced`` (``max_staleness=4``) and
+``eager_sgd_unbounded_rule_none_imbalanced``. The strategy's
 default rule is ``"auto"``: ``"inverse"`` under momentum. ``--optimizer adamw``
 trains every configuration with AdamW (``betas=(--momentum, 0.999)``) instead of SGD.
 

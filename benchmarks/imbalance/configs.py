@@ -66,6 +66,14 @@ CONFIGS: dict[str, Config] = {
             "eager_sgd_unbounded_drop_imbalanced",
             ("max_staleness", None), ("late", "drop"), ("normalize", "contributors"), ("staleness_rule", "none"),
         ),
+        # Weight prediction (the strategy's default) off, at the default bound and unbounded.
+        _study("eager_sgd_no_prediction_imbalanced", ("weight_prediction", False)),
+        _study("eager_sgd_unbounded_no_prediction_imbalanced", ("max_staleness", None), ("weight_prediction", False)),
+        _study("eager_sgd_s4_imbalanced", ("max_staleness", 4)),
+        _study("eager_sgd_unbounded_rule_none_imbalanced", ("max_staleness", None), ("staleness_rule", "none")),
+        Config("eager_sgd_backup_no_prediction_imbalanced", "eager_sgd", True,
+               "eager-SGD, 1 backup worker, weight_prediction=False",
+               (("mode", "quorum"), ("backup_workers", 1), ("weight_prediction", False)), default=False),
         # One backup worker: a round waits for P - 1 arrivals, the last rank's gradient is carried.
         Config("eager_sgd_backup_imbalanced", "eager_sgd_backup", True, "eager-SGD, 1 backup worker", default=False),
         Config("wagma_sgd_imbalanced", "wagma_sgd", True, "WAGMA-SGD (S=2, tau=10)"),

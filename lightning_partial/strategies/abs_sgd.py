@@ -14,7 +14,8 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   A micro-batch's gradient is applied one round late: before its forward pass
   the last round's update is added to the weights, and after its backward pass
   the weights are restored from a copy (exactly, so replicas stay identical).
-  The last update is kept in checkpoints under :data:`LAST_UPDATE_KEY`.
+  The mechanism is :mod:`~lightning_partial.strategies.prediction`'s, shared
+  with ``eager_sgd``; the last update is kept in checkpoints.
 * **Step size per round** (``reference_samples="global_batch"``): a round's
   update is its gradient sum over the global batch of a synchronous step, so a
   round of fewer samples steps proportionally less (see docs/algorithms.md,
@@ -73,12 +74,10 @@ from lightning_partial.strategies import compensation
 from lightning_partial.strategies.checkpoint import state_for_rank
 from lightning_partial.strategies.options import StrategyOptions
 from lightning_partial.strategies.partial import PartialStrategy, StepModel
+from lightning_partial.strategies.prediction import LAST_UPDATE_KEY  # noqa: F401 - where it was first defined
 
 log = logging.getLogger(__name__)
 
-#: The checkpoint entry holding the last round's update per optimizer (``weight_prediction``):
-#: the same on every rank, written once by rank 0.
-LAST_UPDATE_KEY = "lightning_partial_last_update"
 #: ``reference_samples``' default: the global batch of a synchronous step (resolved at the start of fit).
 GLOBAL_BATCH = "global_batch"
 
@@ -200,12 +199,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self.shuffle = shuffle
         self.seed = seed
         self.staleness_rule = compensation.check_rule(staleness_rule, owner=self.strategy_name)
-        if not isinstance(weight_prediction, bool):
-            raise ValueError(f"abs_sgd: weight_prediction must be a bool, got {weight_prediction!r}")
-        self.weight_prediction = weight_prediction
-        # Per optimizer index: the last round's update of each parameter (weight prediction).
-        self._last_update: dict[int, list[torch.Tensor]] = {}
-        self._resumed_update: Optional[dict[int, list[torch.Tensor]]] = None  # from a checkpoint, until train start
+        self._set_weight_prediction(weight_prediction)
         # Per optimizer index, resolved against the optimizers at set-up.
         self._staleness: dict[int, StalenessWeights] = {}
         self.sampler: Optional[ElasticBatchSampler] = None
@@ -377,23 +371,16 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                      kwargs: dict[str, Any]) -> Any:
         """The micro-batch (closure), its deposit, then one optimizer step per round result now due."""
         params = self._params[index]
-        update = self._last_update.get(index) if self.weight_prediction else None
-        saved: Optional[list[torch.Tensor]] = None
-        if update is not None:
-            # The micro-batch's gradient is applied one round late, to weights one update further on:
-            # compute it there, predicted as today's weights plus the last round's update. The weights
-            # are restored from a copy, not by subtracting: (w + u) - u is not w in floating point, and
-            # ranks that run different numbers of micro-batches would drift apart.
-            with torch.no_grad():
-                saved = [p.detach().clone() for p in params]
-                torch._foreach_add_([p.detach() for p in params], update)
-        try:
+        prediction = self._prediction
+        if prediction is None:
             output = closure()
-        finally:
-            if saved is not None:
-                with torch.no_grad():
-                    torch._foreach_copy_([p.detach() for p in params], saved)
-                saved = None  # not held while the results are applied
+        else:
+            # The micro-batch's gradient is applied one round late, to weights one update further on:
+            # computed there (the weights are restored exactly afterwards).
+            saved = prediction.begin(index, params)
+            with prediction.predicted(index, params, saved):
+                output = closure()
+            prediction.release(index, saved)  # not held while the results are applied
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         results = self._engines[index].deposit(grads, samples=max(self._batch_samples, 1))
         self._apply(index, optimizer, results, model)
@@ -421,20 +408,15 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                 if weight != 1.0:
                     p.grad.mul_(weight)
             _compat.before_optimizer_step(self.precision_plugin, module, optimizer)
-            before: Optional[list[torch.Tensor]] = None
-            if self.weight_prediction:
-                # The last update's buffers are reused: they hold the weights before the step, then the update.
-                before = self._last_update.pop(index, None) or [torch.empty_like(p.detach()) for p in params]
-                torch._foreach_copy_(before, [p.detach() for p in params])
+            prediction = self._prediction
+            before = prediction.begin(index, params) if prediction is not None else None
             optimizer.step()
             if spike:
                 # From the gradients as clipped (weight * g after clipping): the same direction and scale.
                 stepped = [(p, p.grad) for p in params if p.grad is not None]
                 compensation.apply_spike(optimizer, [p for p, _ in stepped], [g for _, g in stepped], spike / weight)
-            if before is not None:
-                torch._foreach_neg_(before)
-                torch._foreach_add_(before, [p.detach() for p in params])  # after - before, exactly
-                self._last_update[index] = before
+            if prediction is not None and before is not None:
+                prediction.finish(index, params, before)  # the round's update, spike included
             if step_schedulers:
                 # Per round, not per batch: every rank then steps its schedulers at the same rounds.
                 _compat.step_round_schedulers(self._trainer, optimizer, result.stats.round_index)
@@ -475,13 +457,6 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        self._last_update = {}  # never a previous fit's update (or another model's)
-        resumed, self._resumed_update = self._resumed_update, None
-        if self.weight_prediction and resumed:
-            for index, update in resumed.items():
-                params = self._params.get(index)
-                if params is not None and [u.shape for u in update] == [p.shape for p in params]:
-                    self._last_update[index] = [u.to(device=p.device, dtype=p.dtype) for u, p in zip(update, params)]
         trainer = self._trainer
         if self._engines:
             _compat.step_schedulers_by_rounds(trainer)
@@ -518,14 +493,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     ) -> None:
         """Quiesces the engines (nothing in flight), gathers their state, then lets them go on.
 
-        With ``weight_prediction`` the last round's update goes into the file too
-        (:data:`LAST_UPDATE_KEY`), so that a resumed fit predicts its first round as
-        the uninterrupted one would have.
+        (With ``weight_prediction`` the base class adds the last round's update.)
         """
-        if self._last_update:
-            checkpoint[LAST_UPDATE_KEY] = {
-                i: [u.detach().cpu().clone() for u in update] for i, update in self._last_update.items()
-            }
         if self._engines and not self._stopped:
             self._quiesce()
             try:
@@ -535,13 +504,3 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                     engine.resume()
             return
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """As :class:`PartialStrategy`'s, and keeps the last round's update for ``weight_prediction``."""
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        fitting = trainer is None or trainer.state.fn == pl.trainer.states.TrainerFn.FITTING
-        saved = checkpoint.get(LAST_UPDATE_KEY) if fitting else None  # as the engines' state (PartialStrategy)
-        self._resumed_update = dict(saved) if isinstance(saved, dict) else None
-        return checkpoint

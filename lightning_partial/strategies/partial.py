@@ -54,6 +54,7 @@ from lightning_partial.collectives.checks import check_timedelta
 from lightning_partial.collectives.liveness import Heartbeat
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, gather_engine_states, resume_entry, state_for_rank
 from lightning_partial.strategies.options import ProcessGroupOptions
+from lightning_partial.strategies.prediction import WeightPrediction
 from lightning_partial.strategies.process_group import ProcessGroupStrategy
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,16 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         # Called with (optimizer index, stats) for every round this rank applies, in order
         # (callbacks that need every round, not only the latest: AdaptiveBatchSize).
         self.round_listeners: list[Callable[[int, RoundStats], None]] = []
+        # Weight prediction (eager_sgd, abs_sgd: _set_weight_prediction); None: gradients of the current weights.
+        self.weight_prediction = False
+        self._prediction: Optional[WeightPrediction] = None
+
+    def _set_weight_prediction(self, enabled: object) -> None:
+        """A subclass's ``weight_prediction`` option, validated at construction."""
+        if not isinstance(enabled, bool):
+            raise ValueError(f"{self.strategy_name}: weight_prediction must be a bool, got {enabled!r}")
+        self.weight_prediction = enabled
+        self._prediction = WeightPrediction() if enabled else None
 
     # --------------------------------------------------------------- set-up
     @override
@@ -279,6 +290,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
     @override
     def on_train_start(self) -> None:
         self._start_engines(self._trainer)
+        if self._prediction is not None:
+            # Never a previous fit's update (or another model's); a resumed checkpoint's, if it has one.
+            self._prediction.reset(self._params)
         # Lightning registers its SIGTERM handler after strategy.setup(); replace it
         # here. Its handler broadcasts from rank 0 inside the handler and marks the
         # rank as stopping at the end of the batch, alone: a rank that stops alone
@@ -419,6 +433,10 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         """
         from lightning_partial.strategies.checkpoint import write_checkpoint
 
+        if self._prediction is not None:
+            # The last update (identical on every rank: rank 0 writes it), so that a resumed fit
+            # predicts its first step as the uninterrupted one would have.
+            self._prediction.save(checkpoint)
         states = {i: e.state_dict() for i, e in self._engines.items()} or dict(self._final_states)
         if states and _compat._distributed_is_initialized():
             entry = gather_engine_states(
@@ -447,7 +465,11 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
             self._resume_state = None
+            if self._prediction is not None:
+                self._prediction.forget_loaded()
             return checkpoint
+        if self._prediction is not None:
+            self._prediction.load(checkpoint)
         self._resume_state = resume_entry(
             checkpoint.get(CHECKPOINT_KEY), strategy=self.strategy_name, family=self.engine_family,
             source=checkpoint_path,

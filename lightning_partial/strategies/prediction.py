@@ -1,0 +1,129 @@
+"""Weight prediction: a gradient computed at the weights it will be applied to.
+
+A strategy that applies a gradient a round after the step that computed it
+(``abs_sgd`` always; ``eager_sgd`` for every gradient that misses its round)
+feeds the optimizer a gradient of weights one update old. Linear weight
+prediction (SpecTrain, Chen et al. 2018; the linear prediction of Kosson et
+al., *Pipelined Backpropagation at Scale*, 2021) computes it instead at
+``w + u``, the current weights plus the last step's update ``u``: where the
+weights will be when the gradient is applied, if the next update resembles
+the last. A gradient that is applied at once (fresh) is then a look-ahead
+gradient, as Nesterov's momentum takes one.
+
+Main thread only; no collective. Per optimizer, two parameter-sized buffers:
+the last update, and the weights before a step, which restore the weights
+exactly after the forward and backward passes (``(w + u) - u`` is not ``w`` in
+floating point, and replicas must stay bit-identical) and then become the
+step's update in place. The update a step leaves is ``w_after - w_before``,
+whatever produced it (the optimizer, clipping, spike compensation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["LAST_UPDATE_KEY", "WeightPrediction"]
+
+#: The checkpoint entry holding the last update per optimizer index (``{index: [tensor per parameter]}``).
+LAST_UPDATE_KEY = "lightning_partial_last_update"
+
+
+def _detached(params: Sequence[Tensor]) -> list[Tensor]:
+    return [p.detach() for p in params]
+
+
+class WeightPrediction:
+    """The last update per optimizer index, and the prediction and restoring around a gradient's computation.
+
+    Use, per step of optimizer ``index`` with parameters ``params``::
+
+        before = prediction.begin(index, params)      # copy of w
+        with prediction.predicted(index, params, before):
+            loss = closure()                            # forward/backward at w + u, then w again
+        optimizer.step()
+        prediction.finish(index, params, before)       # u <- w_after - w_before
+
+    A strategy that computes several gradients per step (``abs_sgd``'s micro-batches)
+    calls :meth:`begin`/:meth:`predicted` per gradient and :meth:`release` the copy,
+    then :meth:`begin`/:meth:`finish` around each optimizer step.
+    """
+
+    def __init__(self) -> None:
+        self._updates: dict[int, list[Tensor]] = {}
+        self._spare: dict[int, list[Tensor]] = {}
+        self._resumed: Optional[dict[int, list[Tensor]]] = None
+
+    # ------------------------------------------------------------ the step
+    def begin(self, index: int, params: Sequence[Tensor]) -> list[Tensor]:
+        """A copy of the weights (in a reused buffer when one is free)."""
+        buffers = self._spare.pop(index, None)
+        if buffers is None or [b.shape for b in buffers] != [p.shape for p in params]:
+            return [p.detach().clone() for p in params]
+        torch._foreach_copy_(buffers, _detached(params))
+        return buffers
+
+    @contextlib.contextmanager
+    def predicted(self, index: int, params: Sequence[Tensor], before: list[Tensor]) -> Iterator[None]:
+        """Inside: the weights are ``before + u`` (``u``: the last update; none before the first step).
+
+        On exit (also on an exception) they are ``before`` again, exactly.
+        """
+        update = self._updates.get(index)
+        if update is None:
+            yield
+            return
+        with torch.no_grad():
+            torch._foreach_add_(_detached(params), update)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(_detached(params), before)
+
+    def finish(self, index: int, params: Sequence[Tensor], before: list[Tensor]) -> None:
+        """After the step: ``before`` becomes the step's update ``w_after - w_before`` (exactly), kept for the next."""
+        with torch.no_grad():
+            torch._foreach_neg_(before)
+            torch._foreach_add_(before, _detached(params))
+        previous = self._updates.get(index)
+        self._updates[index] = before
+        if previous is not None:
+            self._spare[index] = previous
+
+    def release(self, index: int, buffers: list[Tensor]) -> None:
+        """Gives back a copy from :meth:`begin` that did not become an update."""
+        self._spare[index] = buffers
+
+    def update(self, index: int) -> Optional[list[Tensor]]:
+        """The last update of optimizer ``index`` (``None`` before its first step)."""
+        return self._updates.get(index)
+
+    # -------------------------------------------------- fit and checkpoints
+    def reset(self, params: dict[int, list[torch.nn.Parameter]]) -> None:
+        """At train start: no update carried from a previous fit, but the one of a checkpoint being resumed."""
+        self._updates, self._spare = {}, {}
+        resumed, self._resumed = self._resumed, None
+        for index, update in (resumed or {}).items():
+            own = params.get(index)
+            if own is not None and [u.shape for u in update] == [p.shape for p in own]:
+                self._updates[index] = [u.to(device=p.device, dtype=p.dtype) for u, p in zip(update, own)]
+
+    def save(self, checkpoint: dict[str, Any]) -> None:
+        """Adds the last updates to ``checkpoint`` (host copies), if there are any."""
+        if self._updates:
+            checkpoint[LAST_UPDATE_KEY] = {
+                i: [u.detach().cpu().clone() for u in update] for i, update in self._updates.items()
+            }
+
+    def load(self, checkpoint: dict[str, Any]) -> None:
+        """Keeps a checkpoint's last updates for the next :meth:`reset` (a resumed fit predicts as before)."""
+        saved = checkpoint.get(LAST_UPDATE_KEY)
+        self._resumed = dict(saved) if isinstance(saved, dict) else None
+
+    def forget_loaded(self) -> None:
+        """A checkpoint loaded outside fitting: its updates are not for a later fit."""
+        self._resumed = None
