@@ -3,11 +3,14 @@
     python -m benchmarks.results_table            # rewrites the blocks in README.md
     python -m benchmarks.results_table --check    # exit 1 if README.md differs from the JSON
 
-Two blocks of README.md are generated, each between a pair of markers:
+Three blocks of README.md are generated, each between a pair of markers:
 
 * ``<!-- main_job:begin -->`` ... ``<!-- main_job:end -->``: the main job
   (``recipes/main_job.py``), from ``main_job.json``: each strategy's samples/s,
   its ratio to DDP's, and rank 0's held-out accuracy against DDP's.
+* ``<!-- main_job_adamw:begin -->`` ... ``<!-- main_job_adamw:end -->``: the
+  main job with AdamW (``--recipe translation_transformer --config
+  conf/main_job_transformer.yaml``), from ``main_job_transformer*.json``, the same columns.
 * ``<!-- results:begin -->`` ... ``<!-- results:end -->``: the two benchmarks
   that compare the strategies with DDP and with the no-communication bound:
   ``imbalance.json`` (``benchmarks/imbalance/``: eager_sgd, wagma_sgd,
@@ -68,9 +71,13 @@ def ratio(value: Optional[float]) -> str:
 
 #: The main job's seeds: ``main_job.json`` (seed 0) and one file per further seed.
 MAIN_JOB_FILES: tuple[str, ...] = ("main_job.json", "main_job_seed1.json", "main_job_seed2.json")
+#: The main job with AdamW (the translation Transformer), its seeds likewise.
+MAIN_JOB_ADAMW_FILES: tuple[str, ...] = (
+    "main_job_transformer.json", "main_job_transformer_seed1.json", "main_job_transformer_seed2.json",
+)
 
 
-def main_job_table(jobs: Sequence[Json]) -> list[str]:
+def main_job_table(jobs: Sequence[Json], files: str = "main_job*.json") -> list[str]:
     """The main job over its seeds: samples/s x DDP and accuracy vs DDP's, mean and range, per strategy.
 
     Every seed's strategies are compared with that seed's DDP fit (the same data order and straggler draws).
@@ -94,7 +101,7 @@ def main_job_table(jobs: Sequence[Json]) -> list[str]:
     ddp = [100.0 * job["results"]["ddp"]["summary"]["val_acc"] for job in jobs]
     lines.append("")
     lines.append(
-        f"`benchmarks/results/main_job*.json`: {len(jobs)} seeds, {jobs[0]['devices']} CPU processes per fit, recipe"
+        f"`benchmarks/results/{files}`: {len(jobs)} seeds, {jobs[0]['devices']} CPU processes per fit, recipe"
         f" `{jobs[0]['recipe']}`; DDP's accuracy {', '.join(f'{a:.2f}' for a in ddp)} %."
     )
     return lines
@@ -155,8 +162,10 @@ def replace_block(text: str, name: str, lines: Sequence[str]) -> str:
 
 
 def render(readme: str) -> str:
-    """The README with both generated blocks rewritten from the JSON files."""
+    """The README with every generated block rewritten from the JSON files."""
     readme = replace_block(readme, "main_job", main_job_table([load(name) for name in MAIN_JOB_FILES]))
+    readme = replace_block(readme, "main_job_adamw", main_job_table(
+        [load(name) for name in MAIN_JOB_ADAMW_FILES], files="main_job_transformer*.json"))
     return replace_block(readme, "results", results_table(load("imbalance.json"), load("heterogeneity.json")))
 
 

@@ -734,6 +734,22 @@ def test_main_job_gives_every_strategy_the_same_options(tmp_path: Path) -> None:
         assert command[-2:] == ["--model.lr", "0.01"]  # the user's options last: they win
 
 
+@pytest.mark.timeout(120)
+def test_the_adamw_main_job_config_is_complete() -> None:
+    """conf/main_job_transformer.yaml (the main job with AdamW) parses as the recipe's full configuration."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipes.translation_transformer", "fit", "--config",
+         str(ROOT / "conf" / "main_job_transformer.yaml"), "--print_config"],
+        env=FIT_ENV, cwd=ROOT, capture_output=True, text=True, timeout=110, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import yaml
+
+    config = yaml.safe_load(proc.stdout)
+    assert config["model"]["optimizer"] == "adamw" and config["trainer"]["devices"] == 4
+    assert config["imbalance"]["delay_ms"] == 60 and config["summary"]["evaluate"] is True
+
+
 def test_main_job_task_is_learnable_below_saturation() -> None:
     """conf/main_job.yaml's built-in images: the class patterns still identify almost every held-out label.
 
