@@ -92,3 +92,36 @@ def test_a_fit_predicts_nothing_from_an_earlier_one(tmp_path, name):
     model = recorded_fit(strategy, tmp_path, inputs=3, outputs=2, samples=48,
                          optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9))
     assert torch.equal(model.seen[0], model.initial)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name, rule", [("eager_sgd", "inverse"), ("abs_sgd", "momentum")])
+def test_the_update_rule_is_logged_as_hyperparameters(tmp_path, name, rule):
+    """StalenessTracker records the update rule in force (prediction on, the rule resolved for SGD momentum)."""
+    import lightning as L
+    import yaml
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_partial.callbacks import StalenessTracker
+
+    class Model(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(3, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    trainer = L.Trainer(strategy=STRATEGIES[name](), accelerator="cpu", devices=1, max_epochs=1,
+                        logger=CSVLogger(tmp_path, name="csv"), callbacks=[StalenessTracker()],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 3), torch.randn(32, 1))
+    with in_process_fit():
+        trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=8))
+    hparams = yaml.safe_load((tmp_path / "csv" / "version_0" / "hparams.yaml").read_text())
+    assert hparams["partial/weight_prediction"] is True
+    assert hparams["partial/staleness_rule"] == rule

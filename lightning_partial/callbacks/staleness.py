@@ -18,6 +18,9 @@ Contract:
   Note that Lightning hands loggers the latest value of every step metric at
   each logged step: under manual optimization, an optimizer that did not step
   on a batch shows its previous round again (``partial/round_<i>`` tells).
+* At train start, logs the strategy's update rule as hyperparameters
+  (``partial/weight_prediction``, ``partial/staleness_rule``: the rule resolved
+  against the optimizer), from ``trainer.strategy.update_rule()``.
 * Keeps a running :class:`StalenessSummary` per optimizer in :attr:`summary`,
   which also counts the final flush round (seen at ``on_fit_end``, where
   Lightning no longer accepts ``log``).
@@ -186,6 +189,16 @@ class StalenessTracker(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
             self._round_stats(trainer)  # warns at set-up rather than at the first batch
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # The update rule in force (weight prediction, the resolved staleness rule), once, as
+        # hyperparameters: every logger (W&B's config, CSV's hparams.yaml) records it.
+        rule = getattr(trainer.strategy, "update_rule", None)
+        if self.log and callable(rule):
+            hyperparameters = {f"partial/{key}": value for key, value in rule().items()}
+            for logger in trainer.loggers:
+                logger.log_hyperparams(hyperparameters)
 
     @override
     def on_train_batch_end(

@@ -149,6 +149,19 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         self.weight_prediction = False
         self._prediction: Optional[WeightPrediction] = None
 
+    def update_rule(self) -> dict[str, Any]:
+        """What this strategy does with late gradients, for loggers (``StalenessTracker`` logs it at train start).
+
+        ``weight_prediction`` (bool), and, for a strategy that weighs late gradients,
+        ``staleness_rule``: the rule resolved at set-up per optimizer, comma-separated
+        (``"auto"`` resolved to ``"inverse"``, ``"momentum"`` or ``"none"``).
+        """
+        settings: dict[str, Any] = {"weight_prediction": self._prediction is not None}
+        staleness = getattr(self, "_staleness", None)
+        if staleness:
+            settings["staleness_rule"] = ",".join(staleness[i].rule for i in sorted(staleness))
+        return settings
+
     def _set_weight_prediction(self, enabled: object) -> None:
         """A subclass's ``weight_prediction`` option, validated at construction."""
         if not isinstance(enabled, bool):
