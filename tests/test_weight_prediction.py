@@ -20,9 +20,11 @@ from tests.distributed import in_process_fit
 STRATEGIES = {"abs_sgd": ABSSGDStrategy, "eager_sgd": EagerSGDStrategy}
 
 
-def recorded_fit(strategy, tmp_path: Path, *, inputs: int, outputs: int, samples: int, optimizer):
+def recorded_fit(strategy, tmp_path: Path, *, inputs: int, outputs: int, samples: int, optimizer, **trainer_options):
     """A 1-process fit (one epoch, batches of 8) of a linear model that records its weights per batch: at the
-    batch start (``actual``) and as the forward pass sees them (``seen``); returns the model."""
+    batch start (``actual``) and as the forward pass sees them (``seen``); returns the model.
+
+    ``trainer_options`` go to the ``Trainer`` (default: no logger)."""
     import lightning as L
 
     class Model(L.LightningModule):
@@ -45,9 +47,9 @@ def recorded_fit(strategy, tmp_path: Path, *, inputs: int, outputs: int, samples
             return optimizer(self.parameters())
 
     model = Model()
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp_path)
+    options = {"logger": False, **trainer_options}
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, **options)
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(samples, inputs, generator=g),
                                           torch.randn(samples, outputs, generator=g))
@@ -98,30 +100,14 @@ def test_a_fit_predicts_nothing_from_an_earlier_one(tmp_path, name):
 @pytest.mark.parametrize("name, rule", [("eager_sgd", "inverse"), ("abs_sgd", "momentum")])
 def test_the_update_rule_is_logged_as_hyperparameters(tmp_path, name, rule):
     """StalenessTracker records the update rule in force (prediction on, the rule resolved for SGD momentum)."""
-    import lightning as L
     import yaml
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_partial.callbacks import StalenessTracker
 
-    class Model(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Linear(3, 1)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
-
-    trainer = L.Trainer(strategy=STRATEGIES[name](), accelerator="cpu", devices=1, max_epochs=1,
-                        logger=CSVLogger(tmp_path, name="csv"), callbacks=[StalenessTracker()],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    data = torch.utils.data.TensorDataset(torch.randn(32, 3), torch.randn(32, 1))
-    with in_process_fit():
-        trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=8))
+    recorded_fit(STRATEGIES[name](), tmp_path, inputs=3, outputs=1, samples=32,
+                 optimizer=lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+                 logger=CSVLogger(tmp_path, name="csv"), callbacks=[StalenessTracker()])
     hparams = yaml.safe_load((tmp_path / "csv" / "version_0" / "hparams.yaml").read_text())
     assert hparams["partial/weight_prediction"] is True
     assert hparams["partial/staleness_rule"] == rule

@@ -200,8 +200,6 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self.seed = seed
         self.staleness_rule = compensation.check_rule(staleness_rule, owner=self.strategy_name)
         self._set_weight_prediction(weight_prediction)
-        # Per optimizer index, resolved against the optimizers at set-up.
-        self._staleness: dict[int, StalenessWeights] = {}
         self.sampler: Optional[ElasticBatchSampler] = None
         self._epoch_samples: Optional[int] = None
         self._batch_samples = 0

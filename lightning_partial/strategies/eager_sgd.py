@@ -41,7 +41,6 @@ from typing_extensions import Unpack, override
 import lightning.pytorch as pl
 from lightning_partial import _compat
 from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundResult, RoundStats
-from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.strategies import compensation
 from lightning_partial.strategies.options import StrategyOptions
 from lightning_partial.strategies.partial import ConfiguredStrategy, StepModel
@@ -146,8 +145,6 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         self._set_weight_prediction(weight_prediction)
         if self.synchronous:
             self._prediction = None  # mode="sync": no gradient is ever late, so none is predicted (DDP's steps)
-        # Per optimizer index, resolved against the optimizers at set-up.
-        self._staleness: dict[int, StalenessWeights] = {}
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -180,7 +177,8 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         before = prediction.begin(index, params) if prediction is not None else None
 
         def closure_then_sync() -> Any:
-            predicted = prediction.predicted(index, params, before) if prediction and before else nullcontext()
+            predicted = nullcontext() if prediction is None or before is None else prediction.predicted(
+                index, params, before)
             with predicted:
                 result = closure()
             self._synchronise(index)

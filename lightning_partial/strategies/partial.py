@@ -52,6 +52,7 @@ from lightning_partial import _compat
 from lightning_partial.collectives import PartialAllreduceConfig, PartialCollectiveError, RoundStats, create_store
 from lightning_partial.collectives.checks import check_timedelta
 from lightning_partial.collectives.liveness import Heartbeat
+from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, gather_engine_states, resume_entry, state_for_rank
 from lightning_partial.strategies.options import ProcessGroupOptions
 from lightning_partial.strategies.prediction import WeightPrediction
@@ -145,6 +146,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         # Called with (optimizer index, stats) for every round this rank applies, in order
         # (callbacks that need every round, not only the latest: AdaptiveBatchSize).
         self.round_listeners: list[Callable[[int, RoundStats], None]] = []
+        # Per optimizer index, the staleness rule resolved against the optimizers at set-up
+        # (eager_sgd, abs_sgd); empty for a strategy that weighs no late gradient.
+        self._staleness: dict[int, StalenessWeights] = {}
         # Weight prediction (eager_sgd, abs_sgd: _set_weight_prediction); None: gradients of the current weights.
         self.weight_prediction = False
         self._prediction: Optional[WeightPrediction] = None
@@ -157,9 +161,8 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         (``"auto"`` resolved to ``"inverse"``, ``"momentum"`` or ``"none"``).
         """
         settings: dict[str, Any] = {"weight_prediction": self._prediction is not None}
-        staleness = getattr(self, "_staleness", None)
-        if staleness:
-            settings["staleness_rule"] = ",".join(staleness[i].rule for i in sorted(staleness))
+        if self._staleness:
+            settings["staleness_rule"] = ",".join(self._staleness[i].rule for i in sorted(self._staleness))
         return settings
 
     def _set_weight_prediction(self, enabled: object) -> None:
