@@ -128,11 +128,12 @@ def step_schedulers_by_rounds(trainer: Any) -> bool:
     return True
 
 
-def step_round_schedulers(trainer: Any, optimizer: Any, round_index: int) -> None:
-    """After round ``round_index``'s ``optimizer.step()``: steps that optimizer's ``interval="step"`` schedulers.
+def step_round_schedulers(trainer: Any, optimizer: Any, step_index: int) -> None:
+    """After the optimizer's step ``step_index`` (from 0): steps that optimizer's ``interval="step"`` schedulers.
 
-    ``frequency`` counts rounds. What Lightning's loop would do per batch
-    (progress counters, the ``lr_scheduler_step`` hook), per round.
+    ``frequency`` counts these steps (under ABS-SGD, one per ``step_samples``'
+    worth of rounds). What Lightning's loop would do per batch (progress
+    counters, the ``lr_scheduler_step`` hook), per optimizer step.
     """
     from lightning.pytorch.trainer import call
 
@@ -142,7 +143,7 @@ def step_round_schedulers(trainer: Any, optimizer: Any, round_index: int) -> Non
             continue
         if getattr(config.scheduler, "optimizer", optimizer) is not optimizer:
             continue
-        if (round_index + 1) % config.frequency == 0:
+        if (step_index + 1) % config.frequency == 0:
             loop.scheduler_progress.increment_ready()
             call._call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, None)
             loop.scheduler_progress.increment_completed()

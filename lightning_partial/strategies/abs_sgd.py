@@ -6,25 +6,29 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
 * **A Lightning step is a micro-batch.** Each batch a rank draws is one
   micro-batch: forward and backward, then its gradient and sample count go to
   the engine (``deposit``), which hands back the round results now due
-  (usually zero or one; a slow rank may get several). Each result becomes the
-  gradient of one ``optimizer.step()``, preceded by Lightning's
+  (usually zero or one; a slow rank may get several). The results are added up
+  until a step is due (below); each step is one ``optimizer.step()``, preceded by Lightning's
   ``on_before_optimizer_step`` hooks and gradient clipping; ``trainer.global_step``
-  counts these steps (the applied rounds), not the micro-batches.
+  counts these steps, not the micro-batches.
 * **Weight prediction** (``weight_prediction=True``, main thread, no collective).
   A micro-batch's gradient is applied one round late: before its forward pass
   the last round's update is added to the weights, and after its backward pass
   the weights are restored from a copy (exactly, so replicas stay identical).
   The mechanism is :mod:`~lightning_partial.strategies.prediction`'s, shared
   with ``eager_sgd``; the last update is kept in checkpoints.
-* **Step size per round** (``reference_samples="global_batch"``): a round's
-  update is its gradient sum over the global batch of a synchronous step, so a
-  round of fewer samples steps proportionally less (see docs/algorithms.md,
-  abs_sgd).
-* **LR schedulers** with ``interval="step"`` step once per applied round,
-  right after its ``optimizer.step()`` (``frequency`` counts rounds), not once
-  per batch as Lightning would: every rank then uses the same learning rate
-  for the same round (ranks run different numbers of batches). The final
-  round's results at the end of fit step none. ``interval="epoch"`` and
+* **One optimizer step per global batch** (``step_samples="global_batch"``):
+  the results are added (:mod:`~lightning_partial.strategies.accumulation`)
+  until the rounds since the last step hold the samples of a synchronous
+  step; the optimizer then steps once on their sum over the global batch
+  (``reference_samples="global_batch"``). Rounds are small (every fast rank's
+  micro-batch may start one); an optimizer stepping per round takes as many
+  steps, each on a fraction of DDP's batch, which an Adam-like optimizer
+  does not scale down (see docs/staleness.md, abs_sgd).
+* **LR schedulers** with ``interval="step"`` step once per optimizer step,
+  right after it (``frequency`` counts steps), not once per batch as
+  Lightning would: every rank then uses the same learning rate for the same
+  round (ranks run different numbers of batches). The final round's results
+  at the end of fit step none. ``interval="epoch"`` and
   plateau schedulers keep Lightning's handling.
 * **Data.** The train loader's ``DistributedSampler`` (injected by Lightning,
   ``use_distributed_sampler=True``) is replaced by an
@@ -33,7 +37,9 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
 * **Epochs and the end.** An epoch ends, on every rank, at the round whose
   global samples complete ``len(dataset)`` samples: each rank marks its next
   batch as the epoch's last, so validation and epoch-end hooks run as usual.
-  ``max_epochs`` and ``max_steps`` (= rounds) make a round final; every rank
+  ``max_epochs`` and ``max_steps`` make a round final (``max_steps`` counts
+  rounds: the engine ends at a round, and the optimizer steps fewer times
+  when ``step_samples`` adds several rounds per step); every rank
   then stops. At the end of fit, and before every checkpoint, the ranks agree
   on the last round in flight (one barrier and one integer allreduce on the
   strategy's collective group: never per step) and wait for it; at the end of fit a final
@@ -70,7 +76,9 @@ from lightning_partial.collectives import PartialCollectiveError, RoundResult, R
 from lightning_partial.collectives.delayed import TRIGGERS, DelayedAllreduce, DelayedConfig, Trigger
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.data import ElasticBatchSampler
+from lightning_partial.collectives.checks import is_int_at_least
 from lightning_partial.strategies import compensation
+from lightning_partial.strategies.accumulation import RoundAccumulator
 from lightning_partial.strategies.checkpoint import state_for_rank
 from lightning_partial.strategies.options import StrategyOptions
 from lightning_partial.strategies.partial import PartialStrategy, StepModel
@@ -137,7 +145,14 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             normalise a constant scale away, not one that varies by round.
             Gradient clipping sees the scaled gradient. Checkpoints keep the
             results not yet applied as they were computed.
-        staleness_rule: how a result, applied one round late, enters the optimizer.
+        step_samples: ``"global_batch"`` (default): the optimizer steps once the
+            rounds applied since its last step hold at least the global batch of a
+            synchronous step (as ``reference_samples``), on their gradient sum over
+            ``reference_samples`` (with ``reference_samples=None``: over their
+            samples). An integer: at least that many samples. ``None``: one step
+            per round (the paper's rule). Whatever is accumulated at the end of fit
+            is stepped then; checkpoints keep it.
+        staleness_rule: how a step's gradient, applied one round late, enters the optimizer.
             ``"auto"`` (default): with ``torch.optim.SGD`` and momentum ``mu``,
             ``"momentum"``; otherwise ``"none"``. ``"momentum"``: the result ``g``
             enters the momentum buffer as ``mu * g`` (the share the buffer would
@@ -175,6 +190,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         target_samples: Optional[int] = None,
         interval: Optional[float] = None,
         reference_samples: Union[int, str, None] = "global_batch",
+        step_samples: Union[int, str, None] = "global_batch",
         staleness_rule: str = "auto",
         weight_prediction: bool = True,
         shuffle: bool = True,
@@ -192,6 +208,13 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                 f"abs_sgd: reference_samples must be an integer >= 1, {GLOBAL_BATCH!r} or None, got {reference_samples!r}"
             )
         self.reference_samples = reference_samples
+        if step_samples is not None and step_samples != GLOBAL_BATCH and not is_int_at_least(step_samples, 1):
+            raise ValueError(
+                f"abs_sgd: step_samples must be an integer >= 1, {GLOBAL_BATCH!r} or None, got {step_samples!r}"
+            )
+        self.step_samples = step_samples
+        # Holds tensors only during a fit (and a checkpoint's until train start): pickle-safe before it.
+        self._accumulator = RoundAccumulator(step_samples=None, reference_samples=None)
         # Validated now; at set-up the target defaults to the micro-batch size and the reference to
         # the global batch (neither known yet: 1 stands in).
         self._delayed_config(target_samples=1 if target_samples is None and trigger == "samples" else target_samples,
@@ -301,22 +324,27 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         target = self.target_samples
         if self.trigger == "samples" and target is None:
             target = self.sampler.batch_size
-        reference = self.reference_samples
-        if reference == GLOBAL_BATCH:
-            # Every rank must divide by the same B: one SUM of the ranks' loader batch sizes (every
-            # rank, main thread, collective group, once per engine). World size x batch size when the
-            # sizes are equal; a per-rank ElasticBatchSampler or one AdaptiveBatchSize resized in an
-            # earlier fit may differ.
+        reference, step = self.reference_samples, self.step_samples
+        global_batch: Optional[int] = None
+        if GLOBAL_BATCH in (reference, step):
+            # Every rank must divide by (and step at) the same B: one SUM of the ranks' loader batch
+            # sizes (every rank, main thread, collective group, once per engine). World size x batch
+            # size when the sizes are equal; a per-rank ElasticBatchSampler or one AdaptiveBatchSize
+            # resized in an earlier fit may differ.
             sizes = torch.tensor([self.sampler.batch_size], dtype=torch.int64)
             if self.world_size > 1:
                 try:  # bounded by the collective group's timeout
                     dist.all_reduce(sizes, op=dist.ReduceOp.SUM, group=self.collective_group)
                 except RuntimeError as err:
                     raise PartialCollectiveError(
-                        f"abs_sgd: agreeing on reference_samples='global_batch' (the ranks' loader batch sizes) "
-                        f"at the start of fit failed: {err}", rank=self.global_rank, round_index=0,
+                        f"abs_sgd: agreeing on the global batch (the ranks' loader batch sizes, for "
+                        f"reference_samples and step_samples) at the start of fit failed: {err}",
+                        rank=self.global_rank, round_index=0,
                     ) from err
-            reference = int(sizes.item())
+            global_batch = int(sizes.item())
+        reference = global_batch if reference == GLOBAL_BATCH else reference
+        self._accumulator.step_samples = global_batch if step == GLOBAL_BATCH else cast(Optional[int], step)
+        self._accumulator.reference_samples = cast(Optional[int], reference)
         max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
         config = self._delayed_config(
             target,
@@ -381,24 +409,36 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             prediction.release(index, saved)  # not held while the results are applied
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         results = self._engines[index].deposit(grads, samples=max(self._batch_samples, 1))
-        self._apply(index, optimizer, results, model)
-        _compat.add_optimizer_steps(self._trainer, len(results) - 1)
-        if not results:
+        steps = self._apply(index, optimizer, results, model)
+        _compat.add_optimizer_steps(self._trainer, steps - 1)
+        if not steps:
             for p in params:
                 p.grad = None  # nothing was applied: leave no gradient behind
         return output
 
     def _apply(
         self, index: int, optimizer: Optimizer, results: list[RoundResult], model: StepModel = None, *,
-        step_schedulers: bool = True,
-    ) -> None:
+        final: bool = False,
+    ) -> int:
+        """Adds each result to the accumulator, and steps the optimizer whenever a step is due; returns the steps.
+
+        ``final`` (the end of fit): whatever the last result leaves accumulated is stepped too.
+        """
         module = model if isinstance(model, pl.LightningModule) else self.lightning_module
-        # Every result is applied one round after the micro-batches it sums were computed.
+        # A step's gradient sums rounds applied one round after the micro-batches they sum were computed.
         weights = self._staleness.get(index, StalenessWeights())
         weight, spike = weights.weight(1), weights.spike(1)
         params = self._params[index]
-        for result in results:
-            for p, g in zip(params, result.tensors):
+        accumulator = self._accumulator
+        steps = 0
+        for k, result in enumerate(results):
+            due = accumulator.add(index, result.tensors, divisor=result.stats.divisor,
+                                  samples=int(result.stats.contributions))
+            result.release()
+            self._record(index, result.stats)
+            if not due and not (final and k == len(results) - 1):
+                continue
+            for p, g in zip(params, accumulator.take(index)):
                 if p.grad is None:
                     p.grad = g.clone()
                 else:
@@ -409,17 +449,17 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             prediction = self._prediction
             before = prediction.begin(index, params) if prediction is not None else None
             optimizer.step()
+            steps += 1
             if spike:
                 # From the gradients as clipped (weight * g after clipping): the same direction and scale.
                 stepped = [(p, p.grad) for p in params if p.grad is not None]
                 compensation.apply_spike(optimizer, [p for p, _ in stepped], [g for _, g in stepped], spike / weight)
             if prediction is not None and before is not None:
-                prediction.finish(index, params, before)  # the round's update, spike included
-            if step_schedulers:
-                # Per round, not per batch: every rank then steps its schedulers at the same rounds.
-                _compat.step_round_schedulers(self._trainer, optimizer, result.stats.round_index)
-            result.release()
-            self._record(index, result.stats)
+                prediction.finish(index, params, before)  # the step's update, spike included
+            if not final:
+                # Per optimizer step, not per batch: every rank then steps its schedulers at the same rounds.
+                _compat.step_round_schedulers(self._trainer, optimizer, accumulator.steps(index) - 1)
+        return steps
 
     # ------------------------------------------------------------- agreement
     def _quiesce(self) -> dict[int, int]:
@@ -448,13 +488,15 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         results = engine.finish(last)
         optimizer = self.optimizers[index]
         # After the loop: Lightning's schedulers are done (every rank skips the same final rounds).
-        self._apply(index, optimizer, results, step_schedulers=False)
+        self._apply(index, optimizer, results, final=True)
         optimizer.zero_grad()
         return results[-1].stats
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        # Nothing accumulated from a previous fit; a resumed checkpoint's rounds, if it has them.
+        self._accumulator.reset(self._params)
         trainer = self._trainer
         if self._engines:
             _compat.step_schedulers_by_rounds(trainer)
@@ -491,8 +533,10 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     ) -> None:
         """Quiesces the engines (nothing in flight), gathers their state, then lets them go on.
 
-        (With ``weight_prediction`` the base class adds the last round's update.)
+        With ``step_samples``, the rounds accumulated since the last step (identical on
+        every rank) go in too; with ``weight_prediction`` the base class adds the last update.
         """
+        self._accumulator.save(checkpoint)
         if self._engines and not self._stopped:
             self._quiesce()
             try:
@@ -502,3 +546,14 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                     engine.resume()
             return
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """As the base class; also keeps the checkpoint's accumulated rounds for the fit it resumes."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.state.fn != pl.trainer.states.TrainerFn.FITTING:
+            self._accumulator.forget_loaded()
+        else:
+            self._accumulator.load(checkpoint)
+        return checkpoint

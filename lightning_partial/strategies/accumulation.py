@@ -1,0 +1,144 @@
+"""Round accumulation: ``abs_sgd``'s optimizer steps once per global batch, not once per round.
+
+Under ABS-SGD every rank's micro-batch may start a round, so a round holds a
+fraction of the samples a synchronous step takes (about 38 of DDP's 128 in the
+main job), and an optimizer stepping per round takes four times as many
+steps, each on a quarter of the batch. A linear scaling of the gradient
+(``reference_samples``) makes that right for plain SGD; an Adam-like optimizer
+normalises the scale away and takes a full step per round.
+
+:class:`RoundAccumulator` adds the round results as they are applied, each
+round's gradient *sum* (its result times its divisor), until the rounds hold
+``step_samples`` samples; the optimizer then steps once on the sum over the
+step's divisor (``reference_samples`` when set: the linear scaling rule over
+the whole step; otherwise the step's samples: the sample-weighted mean). Every
+rank receives the same results in the same order, so every rank adds the same
+tensors in the same order and steps at the same rounds: replicas stay
+bit-identical. Nothing is lost: what is accumulated when the fit ends is
+stepped at its end, and checkpoints keep it (``ACCUMULATED_KEY``).
+
+Main thread only; no collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["ACCUMULATED_KEY", "RoundAccumulator"]
+
+#: The checkpoint entry: ``{index: {"sum": [tensor per parameter] or None, "samples": int, "rounds": int,
+#: "steps": int}}`` (``sum``: the rounds' gradient sums over ``reference_samples``, or plain sums without it).
+ACCUMULATED_KEY = "lightning_partial_accumulated_rounds"
+
+
+@dataclass
+class _Accumulated:
+    sum: Optional[list[Tensor]] = None  # the rounds' gradient sums since the last step
+    samples: int = 0
+    rounds: int = 0
+    steps: int = 0  # optimizer steps taken in this fit (LR schedulers' frequency counts them)
+    spare: Optional[list[Tensor]] = field(default=None, repr=False)  # the last step's buffers, reused
+
+
+class RoundAccumulator:
+    """Per optimizer index: the round results added since its last step.
+
+    Args:
+        step_samples: the optimizer steps once the added rounds hold at least this
+            many samples (``None``: after every round).
+        reference_samples: the divisor of a step's gradient sum (``None``: the
+            step's samples).
+    """
+
+    def __init__(self, step_samples: Optional[int], reference_samples: Optional[int]) -> None:
+        self.step_samples = step_samples
+        self.reference_samples = reference_samples
+        self._state: dict[int, _Accumulated] = {}
+        self._resumed: Optional[dict[int, dict[str, Any]]] = None
+
+    def add(self, index: int, tensors: Sequence[Tensor], *, divisor: float, samples: int) -> bool:
+        """Adds a round's result (``tensors``: its gradient sum over ``divisor``); returns whether a step is due.
+
+        Kept as the sum over the step's divisor: with ``reference_samples`` the results
+        (each the round's sum over it) add as they are.
+        """
+        state = self._state.setdefault(index, _Accumulated())
+        scale = divisor / self.reference_samples if self.reference_samples is not None else divisor
+        if state.sum is None:
+            spare, state.spare = state.spare, None
+            if spare is not None and [s.shape for s in spare] == [t.shape for t in tensors]:
+                torch._foreach_copy_(spare, list(tensors))
+                state.sum = spare
+            else:
+                state.sum = [t.detach().clone() for t in tensors]
+            if scale != 1.0:
+                torch._foreach_mul_(state.sum, scale)
+        else:
+            torch._foreach_add_(state.sum, list(tensors), alpha=scale)
+        state.samples += samples
+        state.rounds += 1
+        return self.step_samples is None or state.samples >= self.step_samples
+
+    def pending(self, index: int) -> int:
+        """Rounds added since the last step of optimizer ``index``."""
+        state = self._state.get(index)
+        return state.rounds if state is not None else 0
+
+    def take(self, index: int) -> list[Tensor]:
+        """The step's gradient (the sum over the step's divisor), in buffers valid until the next :meth:`add`."""
+        state = self._state[index]
+        if state.sum is None:
+            raise RuntimeError(f"optimizer {index}: no round was added since its last step")
+        gradient = state.sum
+        if self.reference_samples is None:
+            torch._foreach_div_(gradient, float(max(state.samples, 1)))  # the sample-weighted mean
+        state.sum, state.spare = None, gradient
+        state.samples = state.rounds = 0
+        state.steps += 1
+        return gradient
+
+    def steps(self, index: int) -> int:
+        """Optimizer steps of optimizer ``index`` in this fit (a resumed fit counts on from its checkpoint's)."""
+        state = self._state.get(index)
+        return state.steps if state is not None else 0
+
+    # -------------------------------------------------- fit and checkpoints
+    def reset(self, params: dict[int, list[torch.nn.Parameter]]) -> None:
+        """At train start: nothing accumulated, but what a resumed checkpoint holds."""
+        self._state = {}
+        resumed, self._resumed = self._resumed, None
+        for index, saved in (resumed or {}).items():
+            own = params.get(index)
+            total = saved.get("sum")
+            state = _Accumulated(samples=int(saved.get("samples", 0)), rounds=int(saved.get("rounds", 0)),
+                                 steps=int(saved.get("steps", 0)))
+            if own is not None and total is not None:
+                if [t.shape for t in total] != [p.shape for p in own]:
+                    raise ValueError(
+                        f"abs_sgd: the checkpoint's accumulated rounds for optimizer {index} do not match its "
+                        "parameters' shapes (another model's checkpoint?)"
+                    )
+                state.sum = [t.to(device=p.device, dtype=p.dtype) for t, p in zip(total, own)]
+            self._state[index] = state
+
+    def save(self, checkpoint: dict[str, Any]) -> None:
+        """Adds the accumulated rounds (host copies) and the step counts to ``checkpoint``."""
+        if self._state:
+            checkpoint[ACCUMULATED_KEY] = {
+                i: {"sum": None if s.sum is None else [t.detach().cpu().clone() for t in s.sum],
+                    "samples": s.samples, "rounds": s.rounds, "steps": s.steps}
+                for i, s in self._state.items()
+            }
+
+    def load(self, checkpoint: dict[str, Any]) -> None:
+        """Keeps a checkpoint's accumulated rounds for the next :meth:`reset`."""
+        saved = checkpoint.get(ACCUMULATED_KEY)
+        self._resumed = dict(saved) if isinstance(saved, dict) else None
+
+    def forget_loaded(self) -> None:
+        """A checkpoint loaded outside fitting: nothing of it is for a later fit."""
+        self._resumed = None
