@@ -14,6 +14,7 @@ import lightning_partial
 from lightning_partial import ABSSGDStrategy
 from lightning_partial.callbacks import AdaptiveBatchSize
 from tests.distributed import in_process_fit
+from lightning_partial.strategies.accumulation import ACCUMULATED_KEY
 from lightning_partial.strategies.prediction import LAST_UPDATE_KEY
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY
 from tests.test_eager_sgd import FIT_ENV, assert_identical, fit_command
@@ -40,6 +41,7 @@ def test_registry_names():
         ({"reference_samples": 51.2}, "reference_samples must be an integer >= 1"),
         ({"reference_samples": "global"}, "reference_samples must be an integer >= 1, 'global_batch' or None"),
         ({"weight_prediction": "yes"}, "weight_prediction must be a bool"),
+        ({"step_samples": -1}, "step_samples must be an integer >= 1, 'global_batch' or None"),
         ({"staleness_rule": "delay"}, "unknown staleness_rule 'delay'"),
     ],
 )
@@ -77,7 +79,11 @@ def test_fit_two_epochs_under_persistent_heterogeneity(tmp_path):
     for record in records:
         assert len(record["epoch_batches"]) == 2  # no rank ran out of data or waited at an epoch end
     steps = {r["global_step"] for r in records}
-    assert len(steps) == 1 and steps.pop() > 0  # global_step counts the applied rounds: the same everywhere
+    assert len(steps) == 1  # global_step counts the optimizer steps: the same everywhere
+    # step_samples="global_batch": a step per 64 samples or more, and a round holds fewer (a fast rank's 16 and what
+    # the others had ready): fewer steps than rounds.
+    rounds = records[0]["last_round"]["round"]
+    assert 0 < steps.pop() < rounds, (records[0]["global_step"], rounds)
     # Samples, not batches: AdaptiveBatchSize shrinks the slow rank's micro-batches, so that it may draw
     # as many batches as the fast ranks (seen in CI: 43 each) while contributing fewer samples.
     first = [r["epoch_samples"][0] for r in records]
@@ -94,7 +100,11 @@ def test_resume_from_an_epoch_end_checkpoint(tmp_path):
     gradient sums and the unapplied result; the resumed fit ends its epochs and its replicas like the first."""
     first = tmp_path / "first"
     run_fit(first, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--save-epoch", "0")
-    entry = torch.load(first / "mid.ckpt", weights_only=False)[CHECKPOINT_KEY]
+    checkpoint = torch.load(first / "mid.ckpt", weights_only=False)
+    entry = checkpoint[CHECKPOINT_KEY]
+    accumulated = checkpoint[ACCUMULATED_KEY][0]  # the rounds added since the last step, and the steps taken
+    assert accumulated["steps"] > 0 and accumulated["samples"] < 64
+    assert (accumulated["sum"] is None) == (accumulated["rounds"] == 0)
     assert entry["strategy"] == "abs_sgd" and entry["family"] == "abs_sgd"
     states = entry["engines"][0]
     assert len({s["step"] for s in states}) == 1

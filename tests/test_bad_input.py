@@ -77,6 +77,9 @@ CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("abs_sgd reference_samples -4", lambda: ABSSGDStrategy(reference_samples=-4), r"reference_samples"),
     ("abs_sgd reference_samples unknown word", lambda: ABSSGDStrategy(reference_samples="auto"), r"reference_samples"),
     ("abs_sgd weight_prediction not a bool", lambda: ABSSGDStrategy(weight_prediction=1), r"weight_prediction"),
+    ("abs_sgd step_samples 0", lambda: ABSSGDStrategy(step_samples=0), r"step_samples"),
+    ("abs_sgd step_samples unknown word", lambda: ABSSGDStrategy(step_samples="batch"), r"step_samples"),
+    ("abs_sgd step_samples a float", lambda: ABSSGDStrategy(step_samples=64.0), r"step_samples"),
     ("abs_sgd unknown staleness rule", lambda: ABSSGDStrategy(staleness_rule="spike"), r"staleness_rule"),
     # engine configurations and schedules
     ("engine config name with slash", lambda: PartialAllreduceConfig(name="a/b"), r"name"),

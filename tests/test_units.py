@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_partial.collectives.layout import TensorLayout
+from lightning_partial.strategies.accumulation import ACCUMULATED_KEY, RoundAccumulator
 from lightning_partial.strategies.prediction import WeightPrediction
 
 
@@ -144,3 +145,61 @@ def test_weight_prediction_survives_a_checkpoint_but_not_another_model():
     loaded_elsewhere.forget_loaded()  # a checkpoint loaded to validate, not to fit
     loaded_elsewhere.reset(params)
     assert loaded_elsewhere.update(0) is None
+
+
+def test_round_accumulator_steps_once_per_global_batch_on_the_rounds_sum():
+    """step_samples=8 with reference_samples=8: rounds of 3, 3 and 4 samples make one step whose gradient is
+    the sum of their results (each already a sum over 8), exactly; the next step reuses the buffers."""
+    accumulator = RoundAccumulator(step_samples=8, reference_samples=8)
+    results = [[torch.tensor([0.5, -1.0]), torch.tensor([0.25])],
+               [torch.tensor([0.125, 2.0]), torch.tensor([-0.5])],
+               [torch.tensor([1.0, 0.75]), torch.tensor([0.0625])]]
+    due = [accumulator.add(0, r, divisor=8.0, samples=n) for r, n in zip(results, (3, 3, 4))]
+    assert due == [False, False, True] and accumulator.pending(0) == 3
+    gradient = accumulator.take(0)
+    expected = [sum(r[i] for r in results) for i in range(2)]
+    assert all(torch.equal(g, e) for g, e in zip(gradient, expected))
+    assert accumulator.steps(0) == 1 and accumulator.pending(0) == 0
+    accumulator.add(0, results[0], divisor=8.0, samples=8)
+    assert accumulator.take(0) is gradient  # the last step's buffers hold the next sum
+    with pytest.raises(RuntimeError, match="no round was added"):
+        accumulator.take(0)
+
+
+def test_round_accumulator_without_a_reference_takes_the_sample_weighted_mean():
+    """reference_samples=None: each result is its round's mean over its samples (the divisor); the step is
+    the mean over the step's samples: (2 * m1 + 6 * m2) / 8."""
+    accumulator = RoundAccumulator(step_samples=8, reference_samples=None)
+    m1, m2 = [torch.tensor([1.0, -3.0])], [torch.tensor([0.5, 0.25])]
+    assert not accumulator.add(0, m1, divisor=2.0, samples=2)
+    assert accumulator.add(0, m2, divisor=6.0, samples=6)
+    assert torch.equal(accumulator.take(0)[0], (2 * m1[0] + 6 * m2[0]) / 8)
+    per_round = RoundAccumulator(step_samples=None, reference_samples=None)  # the paper's rule
+    assert per_round.add(0, m1, divisor=2.0, samples=2)
+    assert torch.equal(per_round.take(0)[0], m1[0])
+
+
+def test_round_accumulator_survives_a_checkpoint_but_refuses_another_model():
+    params = {0: [torch.nn.Parameter(torch.zeros(2))]}
+    first = RoundAccumulator(step_samples=8, reference_samples=8)
+    first.add(0, [torch.tensor([1.0, 2.0])], divisor=8.0, samples=8)
+    first.take(0)
+    first.add(0, [torch.tensor([0.5, 0.5])], divisor=8.0, samples=5)  # accumulated when the checkpoint is taken
+    checkpoint: dict = {}
+    first.save(checkpoint)
+    assert checkpoint[ACCUMULATED_KEY][0]["samples"] == 5
+    resumed = RoundAccumulator(step_samples=8, reference_samples=8)
+    resumed.load(checkpoint)
+    resumed.reset(params)
+    assert resumed.steps(0) == 1 and resumed.pending(0) == 1
+    assert resumed.add(0, [torch.tensor([0.25, -1.0])], divisor=8.0, samples=3)
+    assert torch.equal(resumed.take(0)[0], torch.tensor([0.75, -0.5]))  # nothing of the first rounds lost
+    other = RoundAccumulator(step_samples=8, reference_samples=8)
+    other.load(checkpoint)
+    with pytest.raises(ValueError, match="accumulated rounds for optimizer 0 do not match"):
+        other.reset({0: [torch.nn.Parameter(torch.zeros(3))]})
+    elsewhere = RoundAccumulator(step_samples=8, reference_samples=8)
+    elsewhere.load(checkpoint)
+    elsewhere.forget_loaded()  # loaded to validate, not to fit
+    elsewhere.reset(params)
+    assert elsewhere.pending(0) == 0 and elsewhere.steps(0) == 0

@@ -86,7 +86,7 @@ class Regressor(L.LightningModule):
                                     weight_decay=self.weight_decay)
         if not self.step_scheduler:
             return optimizer
-        # Halves the learning rate every 3 optimizer steps (abs_sgd: every 3 rounds).
+        # Halves the learning rate every 3 optimizer steps (abs_sgd: steps, not rounds or batches).
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
