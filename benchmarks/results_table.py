@@ -70,7 +70,9 @@ def ratio(value: Optional[float]) -> str:
 
 
 #: The main job's seeds: ``main_job.json`` (seed 0) and one file per further seed.
-MAIN_JOB_FILES: tuple[str, ...] = ("main_job.json", "main_job_seed1.json", "main_job_seed2.json")
+MAIN_JOB_FILES: tuple[str, ...] = (
+    "main_job.json", "main_job_seed1.json", "main_job_seed2.json", "main_job_seed3.json", "main_job_seed4.json",
+)
 #: The main job with AdamW (the translation Transformer), its seeds likewise.
 MAIN_JOB_ADAMW_FILES: tuple[str, ...] = (
     "main_job_transformer.json", "main_job_transformer_seed1.json", "main_job_transformer_seed2.json",

@@ -111,3 +111,5 @@ def test_the_update_rule_is_logged_as_hyperparameters(tmp_path, name, rule):
     hparams = yaml.safe_load((tmp_path / "csv" / "version_0" / "hparams.yaml").read_text())
     assert hparams["partial/weight_prediction"] is True
     assert hparams["partial/staleness_rule"] == rule
+    if name == "abs_sgd":
+        assert hparams["partial/step_samples"] == "global_batch"  # one optimizer step per global batch

@@ -151,7 +151,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             ``reference_samples`` (with ``reference_samples=None``: over their
             samples). An integer: at least that many samples. ``None``: one step
             per round (the paper's rule). Whatever is accumulated at the end of fit
-            is stepped then; checkpoints keep it.
+            is stepped then; checkpoints keep it. Costs two parameter-sized buffers
+            (the sum, and the last step's gradient, reused for the next sum).
         staleness_rule: how a step's gradient, applied one round late, enters the optimizer.
             ``"auto"`` (default): with ``torch.optim.SGD`` and momentum ``mu``,
             ``"momentum"``; otherwise ``"none"``. ``"momentum"``: the result ``g``
@@ -375,6 +376,11 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         base["unapplied"] = per_rank[0].get("unapplied", [])
         base["global_samples"] = per_rank[0].get("global_samples", 0)
         return base
+
+    @override
+    def update_rule(self) -> dict[str, Any]:
+        """The base class's, and ``step_samples`` as configured (``"global_batch"``, an integer, or ``None``)."""
+        return {**super().update_rule(), "step_samples": self.step_samples}
 
     # ------------------------------------------------------------- training
     @override

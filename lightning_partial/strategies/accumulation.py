@@ -7,11 +7,12 @@ steps, each on a quarter of the batch. A linear scaling of the gradient
 (``reference_samples``) makes that right for plain SGD; an Adam-like optimizer
 normalises the scale away and takes a full step per round.
 
-:class:`RoundAccumulator` adds the round results as they are applied, each
-round's gradient *sum* (its result times its divisor), until the rounds hold
-``step_samples`` samples; the optimizer then steps once on the sum over the
-step's divisor (``reference_samples`` when set: the linear scaling rule over
-the whole step; otherwise the step's samples: the sample-weighted mean). Every
+:class:`RoundAccumulator` adds the round results as they are applied (each
+the round's gradient sum over its divisor, rescaled to the step's), until
+the rounds hold ``step_samples`` samples; the optimizer then steps once on
+their gradient sum over the step's divisor (``reference_samples`` when set:
+the linear scaling rule over the whole step; otherwise the step's samples:
+the sample-weighted mean). Every
 rank receives the same results in the same order, so every rank adds the same
 tensors in the same order and steps at the same rounds: replicas stay
 bit-identical. Nothing is lost: what is accumulated when the fit ends is
