@@ -75,13 +75,13 @@ from lightning_partial import _compat
 from lightning_partial.collectives import PartialCollectiveError, RoundResult, RoundStats
 from lightning_partial.collectives.delayed import TRIGGERS, DelayedAllreduce, DelayedConfig, Trigger
 from lightning_partial.collectives.staleness import StalenessWeights
-from lightning_partial.data import ElasticBatchSampler
 from lightning_partial.collectives.checks import is_int_at_least
+from lightning_partial.data import ElasticBatchSampler
 from lightning_partial.strategies import compensation
 from lightning_partial.strategies.accumulation import RoundAccumulator
 from lightning_partial.strategies.checkpoint import state_for_rank
 from lightning_partial.strategies.options import StrategyOptions
-from lightning_partial.strategies.partial import PartialStrategy, StepModel
+from lightning_partial.strategies.partial import FitState, PartialStrategy, StepModel
 from lightning_partial.strategies.prediction import LAST_UPDATE_KEY  # noqa: F401 - where it was first defined
 
 log = logging.getLogger(__name__)
@@ -378,6 +378,11 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         return base
 
     @override
+    def _fit_states(self) -> list[FitState]:
+        """Weight prediction's, and the rounds accumulated since the last step (saved, resumed, reset per fit)."""
+        return [*super()._fit_states(), self._accumulator]
+
+    @override
     def update_rule(self) -> dict[str, Any]:
         """The base class's, and ``step_samples`` as configured (``"global_batch"``, an integer, or ``None``)."""
         return {**super().update_rule(), "step_samples": self.step_samples}
@@ -501,8 +506,6 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        # Nothing accumulated from a previous fit; a resumed checkpoint's rounds, if it has them.
-        self._accumulator.reset(self._params)
         trainer = self._trainer
         if self._engines:
             _compat.step_schedulers_by_rounds(trainer)
@@ -539,10 +542,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     ) -> None:
         """Quiesces the engines (nothing in flight), gathers their state, then lets them go on.
 
-        With ``step_samples``, the rounds accumulated since the last step (identical on
-        every rank) go in too; with ``weight_prediction`` the base class adds the last update.
+        (The base class adds the rounds accumulated since the last step and, with
+        ``weight_prediction``, the last update: :meth:`_fit_states`.)
         """
-        self._accumulator.save(checkpoint)
         if self._engines and not self._stopped:
             self._quiesce()
             try:
@@ -552,14 +554,3 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                     engine.resume()
             return
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """As the base class; also keeps the checkpoint's accumulated rounds for the fit it resumes."""
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        if trainer is not None and trainer.state.fn != pl.trainer.states.TrainerFn.FITTING:
-            self._accumulator.forget_loaded()
-        else:
-            self._accumulator.load(checkpoint)
-        return checkpoint

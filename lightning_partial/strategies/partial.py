@@ -60,6 +60,18 @@ from lightning_partial.strategies.process_group import ProcessGroupStrategy
 
 log = logging.getLogger(__name__)
 
+
+class FitState(Protocol):
+    """Per-fit state a strategy keeps beside its engines (:meth:`PartialStrategy._fit_states`)."""
+
+    def save(self, checkpoint: dict[str, Any]) -> None: ...
+
+    def load(self, checkpoint: dict[str, Any]) -> None: ...
+
+    def forget_loaded(self) -> None: ...
+
+    def reset(self, params: dict[int, list[torch.nn.Parameter]]) -> None: ...
+
 # Seconds between a heartbeat's verdict (a peer is gone) and the end of a process that
 # has not torn down by then: collective_timeout + this is the longest a survivor lives on.
 _EXIT_GRACE = 20.0
@@ -164,6 +176,15 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         if self._staleness:
             settings["staleness_rule"] = ",".join(self._staleness[i].rule for i in sorted(self._staleness))
         return settings
+
+    def _fit_states(self) -> list[FitState]:
+        """The state this strategy carries from step to step beside the engines' (main thread only).
+
+        Each is saved in checkpoints, kept from a checkpoint loaded to fit (and
+        forgotten from one loaded to validate, test or predict) and reset at train
+        start: weight prediction's last update here; a subclass adds its own.
+        """
+        return [self._prediction] if self._prediction is not None else []
 
     def _set_weight_prediction(self, enabled: object) -> None:
         """A subclass's ``weight_prediction`` option, validated at construction."""
@@ -306,9 +327,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
     @override
     def on_train_start(self) -> None:
         self._start_engines(self._trainer)
-        if self._prediction is not None:
-            # Never a previous fit's update (or another model's); a resumed checkpoint's, if it has one.
-            self._prediction.reset(self._params)
+        for state in self._fit_states():
+            # Never a previous fit's state (or another model's); a resumed checkpoint's, if it has one.
+            state.reset(self._params)
         # Lightning registers its SIGTERM handler after strategy.setup(); replace it
         # here. Its handler broadcasts from rank 0 inside the handler and marks the
         # rank as stopping at the end of the batch, alone: a rank that stops alone
@@ -449,10 +470,10 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         """
         from lightning_partial.strategies.checkpoint import write_checkpoint
 
-        if self._prediction is not None:
-            # The last update (identical on every rank: rank 0 writes it), so that a resumed fit
-            # predicts its first step as the uninterrupted one would have.
-            self._prediction.save(checkpoint)
+        for state in self._fit_states():
+            # Identical on every rank (rank 0 writes it), so that a resumed fit goes on as the
+            # uninterrupted one would have (prediction's last update, abs_sgd's accumulated rounds).
+            state.save(checkpoint)
         states = {i: e.state_dict() for i, e in self._engines.items()} or dict(self._final_states)
         if states and _compat._distributed_is_initialized():
             entry = gather_engine_states(
@@ -481,11 +502,11 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
             self._resume_state = None
-            if self._prediction is not None:
-                self._prediction.forget_loaded()
+            for state in self._fit_states():
+                state.forget_loaded()
             return checkpoint
-        if self._prediction is not None:
-            self._prediction.load(checkpoint)
+        for state in self._fit_states():
+            state.load(checkpoint)
         self._resume_state = resume_entry(
             checkpoint.get(CHECKPOINT_KEY), strategy=self.strategy_name, family=self.engine_family,
             source=checkpoint_path,
