@@ -69,6 +69,10 @@ CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("ds_sync num_groups 0", lambda: DSSyncStrategy(num_groups=0), r"num_groups"),
     ("ds_sync measure_every 0", lambda: DSSyncStrategy(measure_every=0), r"measure_every"),
     ("ds_sync unknown mode", lambda: DSSyncStrategy(mode="all"), r"mode"),
+    ("ds_sync unknown adaptive_scaling", lambda: DSSyncStrategy(adaptive_scaling="sqrt"),
+     r"ds_sync: unknown adaptive_scaling 'sqrt': expected one of auto, global_batch, none"),
+    ("wagma_sgd adaptive_scaling not a string", lambda: WAGMAStrategy(adaptive_scaling=True),
+     r"wagma_sgd: unknown adaptive_scaling True"),
     # abs_sgd
     ("abs_sgd unknown trigger", lambda: ABSSGDStrategy(trigger="steps"), r"trigger.*samples"),
     ("abs_sgd time trigger without interval", lambda: ABSSGDStrategy(trigger="time"), r"interval"),
@@ -219,6 +223,9 @@ SETUP_CASES: list[tuple[str, SetupBuild, str]] = [
      r"backup_workers must be below the world size 1"),
     ("wagma_sgd group larger than the world", lambda src, tmp: (WAGMAStrategy(group_size=4), {}),
      r"group_size 4 exceeds the world size 1"),
+    ("wagma_sgd adaptive_scaling global_batch under SGD", lambda src, tmp: (
+        WAGMAStrategy(adaptive_scaling="global_batch"), {}),
+     r"wagma_sgd: adaptive_scaling='global_batch' reads Adam's moments.*SGD does not keep"),
     ("ds_sync more groups than ranks", lambda src, tmp: (DSSyncStrategy(num_groups=2), {}),
      r"num_groups 2 exceeds the world size 1"),
     ("GroupRotation schedule built for 4 ranks", lambda src, tmp: (

@@ -115,6 +115,8 @@ def test_fit_under_imbalance(tmp_path, strategy, schedule):
     for other in states[1:]:
         for key, value in states[0].items():
             assert torch.equal(value, other[key]), key
+    # SGD: adaptive_scaling="auto" leaves the local steps alone (averaged SGD steps already are DDP's).
+    assert all(r["update_rule"]["adaptive_scaling"] == "none" for r in records)
     global_every = 10 if strategy == "wagma_sgd" else None
     by_round: dict[int, dict[int, tuple[int, ...]]] = {}
     for rank, record in enumerate(records):
@@ -152,6 +154,28 @@ def test_reference_order_averages_before_the_step(tmp_path):
     for record in records:
         assert [g["round_index"] for g in record["groups"]] == list(range(12))
     assert_identical(out)
+
+
+@pytest.mark.timeout(300)
+def test_adaptive_scaling_rescales_local_adam_steps_and_is_logged(tmp_path):
+    """AdamW, 4 processes, every round synchronous (deterministic): ``adaptive_scaling="auto"`` resolves to
+    ``"global_batch"`` (logged as a hyperparameter), the final average leaves the replicas bit-identical, and
+    the weights differ from the same fit with ``"none"`` (the reference codes' local steps). The rule's
+    arithmetic is pinned in tests/test_units.py; under SGD "auto" resolves to "none" (test_fit_under_imbalance
+    runs SGD)."""
+    finals = {}
+    for setting in ("auto", "none"):
+        out = tmp_path / setting
+        records = run_fit(out, "wagma_sgd", "--optimizer", "adamw", "--steps", "12", "--track",
+                          "--csv", str(out / "csv"),
+                          "--strategy-kw", json.dumps({"mode": "sync", "adaptive_scaling": setting}))
+        resolved = "global_batch" if setting == "auto" else "none"
+        assert [r["update_rule"]["adaptive_scaling"] for r in records] == [resolved] * 4
+        hparams = (out / "csv" / "fit" / "version_0" / "hparams.yaml").read_text()
+        assert f"partial/adaptive_scaling: {resolved}" in hparams
+        assert_identical(out)
+        finals[setting] = torch.load(out / "rank0.pt")
+    assert any(not torch.equal(finals["auto"][k], finals["none"][k]) for k in finals["none"])
 
 
 @pytest.mark.timeout(300)

@@ -11,6 +11,7 @@ import torch
 
 from lightning_partial.collectives.layout import TensorLayout
 from lightning_partial.strategies.accumulation import ACCUMULATED_KEY, RoundAccumulator
+from lightning_partial.strategies.adaptive_scaling import GlobalBatchScaling, resolve
 from lightning_partial.strategies.prediction import WeightPrediction
 
 
@@ -203,3 +204,95 @@ def test_round_accumulator_survives_a_checkpoint_but_refuses_another_model():
     elsewhere.forget_loaded()  # loaded to validate, not to fit
     elsewhere.reset(params)
     assert elsewhere.pending(0) == 0 and elsewhere.steps(0) == 0
+
+
+# ------------------------------------------------------------------ global-batch scaling of local Adam steps
+def _adam_step(optimizer, param, grad, scaling):
+    """One step of ``optimizer`` on ``grad`` between the scaling's begin and finish; returns (w_before, w_after)."""
+    param.grad = grad.clone()
+    scaling.begin(0, optimizer, [param])
+    before = param.detach().clone()
+    optimizer.step()
+    after = param.detach().clone()
+    scaling.finish(0, optimizer, [param])
+    return before, after
+
+
+def test_global_batch_scaling_rescales_the_adaptive_part_by_the_documented_factor():
+    """AdamW (decoupled decay), P = 4, float64, three steps of varied gradients: after each step the weights
+    are w_after + (c - 1) * (w_after - (1 - lr wd) w_before), c = sqrt(v / (s + (v - s) / P)), s = min(m^2, v),
+    m and v Adam's bias-corrected moments after the step; c lies in [1, 2]."""
+    param = torch.nn.Parameter(torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.float64))
+    lr, wd, betas = 0.1, 0.01, (0.9, 0.99)
+    optimizer = torch.optim.AdamW([param], lr=lr, weight_decay=wd, betas=betas)
+    scaling = GlobalBatchScaling(world_size=4)
+    grads = [torch.tensor([1.0, 1.0, 0.0, -2.0]), torch.tensor([1.0, -1.0, 0.0, 2.0]),
+             torch.tensor([1.0, 1.0, 0.0, 0.5])]
+    for t, g in enumerate(grads, start=1):
+        before, after = _adam_step(optimizer, param, g.double(), scaling)
+        state = optimizer.state[param]
+        m = state["exp_avg"] / (1 - betas[0] ** t)
+        v = state["exp_avg_sq"] / (1 - betas[1] ** t)
+        s = torch.minimum(m * m, v)
+        c = torch.where(v > 0, (v / (s + (v - s) / 4)).sqrt(), torch.ones_like(v))
+        expected = after + (c - 1) * (after - (1 - lr * wd) * before)
+        torch.testing.assert_close(param.detach(), expected, rtol=1e-14, atol=1e-15)
+        assert bool(((c >= 1) & (c <= 2)).all())
+        # Coordinate 0 always has gradient 1 (all signal: m^2 = v), coordinate 2 none (v = 0): not scaled;
+        # coordinate 1 alternates in sign (noise): scaled up.
+        assert float(c[0]) == pytest.approx(1.0, abs=1e-12) and float(c[2]) == 1.0
+        assert t == 1 or float(c[1]) > 1.2
+
+
+def test_global_batch_scaling_exact_cases():
+    """Exactly: pure noise (m = 0) doubles the adaptive part at P = 4 (c = sqrt(P)); pure signal (m^2 >= v)
+    leaves the step as Adam took it; a coordinate that never had a gradient (v = 0) and a parameter the
+    step skipped are left alone; Adam's coupled decay is part of the adaptive part (scaled with it)."""
+    scaling = GlobalBatchScaling(world_size=4)
+    ones = torch.ones(3)
+    assert torch.equal(scaling.factor(torch.zeros(3), ones, t=1e9, betas=(0.9, 0.999)), torch.full((3,), 2.0))
+    assert torch.equal(scaling.factor(torch.full((3,), 2.0), ones, t=1e9, betas=(0.9, 0.999)), ones)
+    assert torch.equal(scaling.factor(torch.zeros(3), torch.zeros(3), t=3, betas=(0.9, 0.999)), ones)
+
+    # The whole update, with the moments set to pure noise: the step's move doubles, exactly.
+    param = torch.nn.Parameter(torch.tensor([4.0, 8.0]))
+    optimizer = torch.optim.Adam([param], lr=0.5, betas=(0.5, 0.5), weight_decay=0.0)
+    param.grad = torch.tensor([1.0, 1.0])
+    optimizer.step()  # creates the state (step 1)
+    state = optimizer.state[param]
+    scaling.begin(0, optimizer, [param])
+    w_before = param.detach().clone()
+    # "The optimizer step": the weights move by -1 and +3, the moments say pure noise, the step count advances.
+    param.data.add_(torch.tensor([-1.0, 3.0]))
+    state["exp_avg"].zero_()
+    state["exp_avg_sq"].fill_(1.0)
+    state["step"] += 1
+    scaling.finish(0, optimizer, [param])
+    assert torch.equal(param.detach(), w_before + 2 * torch.tensor([-1.0, 3.0]))
+
+    # The step skipped this parameter (its count did not advance): untouched.
+    scaling.begin(0, optimizer, [param])
+    param.data.add_(1.0)
+    scaling.finish(0, optimizer, [param])
+    assert torch.equal(param.detach(), w_before + 2 * torch.tensor([-1.0, 3.0]) + 1.0)
+
+    # A parameter without optimizer state (never had a gradient): untouched.
+    other = torch.nn.Parameter(torch.zeros(2))
+    optimizer.add_param_group({"params": [other]})
+    scaling.begin(1, optimizer, [other])
+    other.data.add_(5.0)
+    scaling.finish(1, optimizer, [other])
+    assert torch.equal(other.detach(), torch.full((2,), 5.0))
+
+
+def test_global_batch_scaling_applies_to_the_adam_family_on_more_than_one_rank():
+    param = [torch.nn.Parameter(torch.zeros(1))]
+    for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam):
+        assert resolve("auto", cls(param), world_size=4, owner="x") is True
+        assert resolve("global_batch", cls(param), world_size=4, owner="x") is True
+        assert resolve("none", cls(param), world_size=4, owner="x") is False
+        assert resolve("auto", cls(param), world_size=1, owner="x") is False  # nothing to scale on one rank
+    sgd = torch.optim.SGD(param, lr=0.1, momentum=0.9)
+    assert resolve("auto", sgd, world_size=4, owner="x") is False  # averaged SGD steps already are DDP's
+    with pytest.raises(ValueError, match=r"x: adaptive_scaling='global_batch' reads Adam's moments"):
+        resolve("global_batch", sgd, world_size=4, owner="x")

@@ -35,8 +35,10 @@ paper's ``staleness_rule="none"`` at the default bound),
 for 3 of the 4 ranks); weight prediction off (the strategy's default is on):
 ``eager_sgd_no_prediction_imbalanced``, ``eager_sgd_unbounded_no_prediction_imbalanced``,
 ``eager_sgd_backup_no_prediction_imbalanced``; and with it on,
-``eager_sgd_s4_imbalanced`` (``max_staleness=4``) and
-``eager_sgd_unbounded_rule_none_imbalanced``. The strategy's
+``eager_sgd_s3_imbalanced``, ``eager_sgd_s4_imbalanced`` (``max_staleness=3``, ``4``) and
+``eager_sgd_unbounded_rule_none_imbalanced``; ``wagma_sgd_no_scaling_imbalanced`` and
+``ds_sync_no_scaling_imbalanced`` (``adaptive_scaling="none"``: meaningful with
+``--optimizer adamw``, where the default rescales the local Adam steps). The strategy's
 default rule is ``"auto"``: ``"inverse"`` under momentum. ``--optimizer adamw``
 trains every configuration with AdamW (``betas=(--momentum, 0.999)``) instead of SGD.
 

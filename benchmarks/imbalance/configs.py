@@ -69,6 +69,7 @@ CONFIGS: dict[str, Config] = {
         # Weight prediction (the strategy's default) off, at the default bound and unbounded.
         _study("eager_sgd_no_prediction_imbalanced", ("weight_prediction", False)),
         _study("eager_sgd_unbounded_no_prediction_imbalanced", ("max_staleness", None), ("weight_prediction", False)),
+        _study("eager_sgd_s3_imbalanced", ("max_staleness", 3)),
         _study("eager_sgd_s4_imbalanced", ("max_staleness", 4)),
         _study("eager_sgd_unbounded_rule_none_imbalanced", ("max_staleness", None), ("staleness_rule", "none")),
         Config("eager_sgd_backup_no_prediction_imbalanced", "eager_sgd", True,
@@ -78,6 +79,11 @@ CONFIGS: dict[str, Config] = {
         Config("eager_sgd_backup_imbalanced", "eager_sgd_backup", True, "eager-SGD, 1 backup worker", default=False),
         Config("wagma_sgd_imbalanced", "wagma_sgd", True, "WAGMA-SGD (S=2, tau=10)"),
         Config("ds_sync_imbalanced", "ds_sync", True, "DS-Sync (G=2, max_staleness=4)"),
+        # Adaptive scaling (the default with Adam-family optimizers; nothing under SGD) off.
+        Config("wagma_sgd_no_scaling_imbalanced", "wagma_sgd", True, "WAGMA-SGD, adaptive_scaling='none'",
+               (("adaptive_scaling", "none"),), default=False),
+        Config("ds_sync_no_scaling_imbalanced", "ds_sync", True, "DS-Sync, adaptive_scaling='none'",
+               (("adaptive_scaling", "none"),), default=False),
         Config("no_comm_imbalanced", "no_comm", True, "no communication (bound)"),
     )
 }

@@ -20,7 +20,8 @@ Contract:
   on a batch shows its previous round again (``partial/round_<i>`` tells).
 * At train start, logs the strategy's update rule as hyperparameters
   (``partial/weight_prediction``, ``partial/staleness_rule``: the rule resolved
-  against the optimizer; ``abs_sgd``: ``partial/step_samples``), from ``trainer.strategy.update_rule()``.
+  against the optimizer; ``abs_sgd``: ``partial/step_samples``; ``wagma_sgd``, ``ds_sync``:
+  ``partial/adaptive_scaling``), from ``trainer.strategy.update_rule()``.
 * Keeps a running :class:`StalenessSummary` per optimizer in :attr:`summary`,
   which also counts the final flush round (seen at ``on_fit_end``, where
   Lightning no longer accepts ``log``).

@@ -18,7 +18,12 @@ for set-up, SIGTERM, checkpoints and the end of fit. Specific to model averaging
   replicas are identical (with ``order="average_then_step"``, until each
   applies its own gradient in the same step; the final flush comes after the
   last step).
-* Optimizer state (momentum buffers) stays local, as in the reference codes.
+* Optimizer state (momentum buffers, Adam's moments) stays local, as in the
+  reference codes. With an Adam-family optimizer each local step is rescaled,
+  per coordinate, to the size DDP's Adam would give it on the global batch
+  (``adaptive_scaling``, :mod:`lightning_partial.strategies.adaptive_scaling`):
+  main thread, right after ``optimizer.step`` and before the group average, from
+  the rank's own optimizer state; no collective.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
+import lightning.pytorch as pl
 from lightning_partial.collectives import PartialAllreduceConfig, RoundStats
 from lightning_partial.collectives.checks import check_int
 from lightning_partial.collectives.group_average import (
@@ -42,6 +48,8 @@ from lightning_partial.collectives.group_average import (
     apply_average,
 )
 from lightning_partial.collectives.schedules import Schedule
+from lightning_partial.strategies import adaptive_scaling as scaling_rule
+from lightning_partial.strategies.adaptive_scaling import GlobalBatchScaling
 from lightning_partial.strategies.options import ScheduleSource, StrategyOptions
 from lightning_partial.strategies.partial import ConfiguredStrategy, StepModel
 
@@ -82,6 +90,15 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         max_staleness: no rank runs more than this many rounds ahead of the slowest.
         measure_every: measure the consensus distance every ``n`` rounds (besides
             every global round); logged by :class:`~lightning_partial.callbacks.GroupRotation`.
+        adaptive_scaling: ``"auto"`` (default): with an Adam-family optimizer (Adam,
+            AdamW, NAdam, RAdam) on more than one rank, ``"global_batch"``; otherwise
+            ``"none"``. ``"global_batch"``: each local step is rescaled per coordinate
+            to what Adam's normalisation would give on the global batch (a gradient of
+            ``1/P`` of the batch has ``P`` times its noise variance, which shrinks an
+            averaged Adam step by up to ``sqrt(P)`` against DDP's; see
+            :mod:`~lightning_partial.strategies.adaptive_scaling`); refused at set-up for
+            other optimizers. ``"none"``: the reference codes' local steps. SGD needs no
+            scaling: its averaged local steps are DDP's.
         seed: seed of the majority initiator RNG and of the shuffle schedule.
         schedule: a :class:`~lightning_partial.collectives.schedules.Schedule`, or a
             callable ``world_size -> Schedule``; default: the subclass's.
@@ -103,11 +120,13 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         order: str = "step_then_average",
         max_staleness: Optional[int] = None,
         measure_every: Optional[int] = None,
+        adaptive_scaling: str = "auto",
         seed: int = 0,
         schedule: Optional[ScheduleSource] = None,
         **kwargs: Unpack[StrategyOptions],
     ) -> None:
         super().__init__(**kwargs)
+        self.adaptive_scaling = scaling_rule.check_scaling(adaptive_scaling, owner=self.strategy_name)
         if normalize not in AVERAGE_NORMALIZATIONS:
             raise ValueError(f"unknown normalize {normalize!r}: expected one of {', '.join(AVERAGE_NORMALIZATIONS)}")
         if late not in AVERAGE_LATE_POLICIES:
@@ -141,6 +160,9 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         self.seed = seed
         self._schedule_source = schedule
         self.schedule: Optional[Schedule] = None  # built for the world size at set-up
+        # Resolved against the optimizers at set-up: the indices whose local steps are rescaled.
+        self._scaled: set[int] = set()
+        self._scaling: Optional[GlobalBatchScaling] = None
 
     # ------------------------------------------------------------ schedule
     def default_schedule(self, world_size: int) -> Schedule:
@@ -174,6 +196,24 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         super().validate_world(world_size)
         self.schedule = self.build_schedule(world_size)
 
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        super().setup(trainer)
+        # After the optimizers exist, before any rank trains: an optimizer the rule cannot read fails here.
+        self._scaled = scaling_rule.resolve_all(
+            self.adaptive_scaling, self.optimizers, world_size=self.world_size, owner=self.strategy_name
+        )
+        self._scaling = GlobalBatchScaling(self.world_size) if self._scaled else None
+
+    @override
+    def update_rule(self) -> dict[str, Any]:
+        """:meth:`PartialStrategy.update_rule`, and ``adaptive_scaling`` resolved per optimizer, comma-separated."""
+        settings = super().update_rule()
+        settings["adaptive_scaling"] = ",".join(
+            "global_batch" if i in self._scaled else "none" for i in range(max(len(self.optimizers), 1))
+        )
+        return settings
+
     # ------------------------------------------------------------- engines
     @override
     def _build_engine(self, index: int, params: list[torch.nn.Parameter], store: dist.Store) -> GroupAverage:
@@ -193,19 +233,33 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
     @override
     def _engine_step(self, index: int, optimizer: Optimizer, closure: Callable[[], Any], model: StepModel,
                      kwargs: dict[str, Any]) -> Any:
-        """The local step on local gradients and this round's group average of the parameters, in ``order``."""
-        if self.order == "average_then_step":
+        """The local step on local gradients and this round's group average of the parameters, in ``order``.
 
-            def closure_then_average() -> Any:
-                # The gradients exist (computed on the pre-average model); the optimizer
-                # applies them to the average once this returns.
-                result = closure()
+        With ``adaptive_scaling`` in force for this optimizer, the weights are noted
+        once the closure has run (and, in ``average_then_step``, averaged): right
+        before ``optimizer.step``, so that the rescaling sees the optimizer's step alone.
+        """
+        scaling = self._scaling if index in self._scaled else None
+        params = self._params[index]
+        raw = self.optimizers[index]
+        average_first = self.order == "average_then_step"
+
+        def closure_then_prepare() -> Any:
+            # The gradients exist (computed on the pre-average model); the optimizer
+            # applies them to the average once this returns.
+            result = closure()
+            if average_first:
                 self._average(index)
-                return result
+            if scaling is not None:
+                scaling.begin(index, raw, params)
+            return result
 
-            return self._lightning_step(optimizer, closure_then_average, model, kwargs)
-        output = self._lightning_step(optimizer, closure, model, kwargs)
-        self._average(index)
+        wrapped = closure_then_prepare if average_first or scaling is not None else closure
+        output = self._lightning_step(optimizer, wrapped, model, kwargs)
+        if scaling is not None:
+            scaling.finish(index, raw, params)
+        if not average_first:
+            self._average(index)
         return output
 
     def _average(self, index: int) -> None:

@@ -56,5 +56,6 @@ class AveragingOptions(StrategyOptions, total=False):
     stale: str
     order: str
     measure_every: Optional[int]
+    adaptive_scaling: str
     seed: int
     schedule: Optional[ScheduleSource]

@@ -59,6 +59,7 @@ class Regressor(L.LightningModule):
         self.step_scheduler = False
         self.momentum = 0.0
         self.weight_decay = 0.0
+        self.optimizer = "sgd"
         self.sync_dist = False
         self.sleep_at: tuple[int, int, float] | None = None  # (batch, rank, seconds)
 
@@ -82,8 +83,11 @@ class Regressor(L.LightningModule):
             (self.pid_dir / f"rank{self.global_rank}.pid").write_text(str(os.getpid()))
 
     def configure_optimizers(self):
-        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=self.momentum,
-                                    weight_decay=self.weight_decay)
+        if self.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=self.weight_decay)
+        else:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=self.momentum,
+                                        weight_decay=self.weight_decay)
         if not self.step_scheduler:
             return optimizer
         # Halves the learning rate every 3 optimizer steps (abs_sgd: steps, not rounds or batches).
@@ -187,7 +191,9 @@ def main() -> None:
     parser.add_argument("--adaptive", action="store_true", help="add an AdaptiveBatchSize(window=4, min_batch_size=2) (abs_sgd)")
     parser.add_argument("--step-scheduler", action="store_true", help="a StepLR stepped per optimizer step")
     parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (the staleness rule reads it)")
-    parser.add_argument("--weight-decay", type=float, default=0.0, help="SGD weight decay")
+    parser.add_argument("--weight-decay", type=float, default=0.0, help="the optimizer's weight decay")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                        help="SGD (lr 0.05, --momentum) or AdamW (lr 0.01)")
     parser.add_argument("--unused", action="store_true", help="a layer no rank uses and one only rank 0 uses")
     parser.add_argument("--rank0-only", action="store_true", help="only the layer rank 0 uses on odd batches")
     parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
@@ -215,6 +221,7 @@ def main() -> None:
     model.step_scheduler = args.step_scheduler
     model.momentum = args.momentum
     model.weight_decay = args.weight_decay
+    model.optimizer = args.optimizer
     model.sync_dist = args.sync_dist
     if args.sleep_at is not None:
         batch, rank, seconds = args.sleep_at.split(":")
@@ -299,6 +306,8 @@ def main() -> None:
     record["changed"] = sorted(k for k, v in model.state_dict().items() if not torch.equal(v, initial[k]))
     weights = getattr(trainer.strategy, "_staleness", {}).get(0)
     record["staleness_weights"] = asdict(weights) if weights is not None else None
+    update_rule = getattr(trainer.strategy, "update_rule", None)
+    record["update_rule"] = update_rule() if callable(update_rule) else None
     record["lr"] = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
     record["epoch_batches"] = epochs.batches
     record["epoch_samples"] = epochs.samples
