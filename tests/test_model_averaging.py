@@ -158,24 +158,27 @@ def test_reference_order_averages_before_the_step(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_adaptive_scaling_rescales_local_adam_steps_and_is_logged(tmp_path):
-    """AdamW, 4 processes, every round synchronous (deterministic): ``adaptive_scaling="auto"`` resolves to
-    ``"global_batch"`` (logged as a hyperparameter), the final average leaves the replicas bit-identical, and
-    the weights differ from the same fit with ``"none"`` (the reference codes' local steps). The rule's
-    arithmetic is pinned in tests/test_units.py; under SGD "auto" resolves to "none" (test_fit_under_imbalance
-    runs SGD)."""
+    """AdamW with decoupled weight decay, 4 processes, every round synchronous (deterministic):
+    ``adaptive_scaling="auto"`` resolves to ``"global_batch"`` (logged as a hyperparameter), in both orders
+    (``average_then_step`` notes the weights after the average, inside the closure); the final average leaves
+    the replicas bit-identical; the weights differ from the same fit with ``"none"`` (the reference codes'
+    local steps). The rule's arithmetic is pinned in tests/test_units.py; under SGD "auto" resolves to
+    "none" (test_fit_under_imbalance runs SGD)."""
     finals = {}
-    for setting in ("auto", "none"):
-        out = tmp_path / setting
-        records = run_fit(out, "wagma_sgd", "--optimizer", "adamw", "--steps", "12", "--track",
-                          "--csv", str(out / "csv"),
-                          "--strategy-kw", json.dumps({"mode": "sync", "adaptive_scaling": setting}))
+    for setting, order in (("auto", "step_then_average"), ("none", "step_then_average"),
+                           ("auto", "average_then_step")):
+        out = tmp_path / f"{setting}-{order}"
+        records = run_fit(out, "wagma_sgd", "--optimizer", "adamw", "--weight-decay", "0.01", "--steps", "12",
+                          "--track", "--csv", str(out / "csv"), "--strategy-kw",
+                          json.dumps({"mode": "sync", "adaptive_scaling": setting, "order": order}))
         resolved = "global_batch" if setting == "auto" else "none"
         assert [r["update_rule"]["adaptive_scaling"] for r in records] == [resolved] * 4
         hparams = (out / "csv" / "fit" / "version_0" / "hparams.yaml").read_text()
         assert f"partial/adaptive_scaling: {resolved}" in hparams
         assert_identical(out)
-        finals[setting] = torch.load(out / "rank0.pt")
-    assert any(not torch.equal(finals["auto"][k], finals["none"][k]) for k in finals["none"])
+        finals[setting, order] = torch.load(out / "rank0.pt")
+    auto, none = finals["auto", "step_then_average"], finals["none", "step_then_average"]
+    assert any(not torch.equal(auto[k], none[k]) for k in none)
 
 
 @pytest.mark.timeout(300)

@@ -253,10 +253,16 @@ def test_global_batch_scaling_exact_cases():
     assert torch.equal(scaling.factor(torch.zeros(3), ones, t=1e9, betas=(0.9, 0.999)), torch.full((3,), 2.0))
     assert torch.equal(scaling.factor(torch.full((3,), 2.0), ones, t=1e9, betas=(0.9, 0.999)), ones)
     assert torch.equal(scaling.factor(torch.zeros(3), torch.zeros(3), t=3, betas=(0.9, 0.999)), ones)
+    # Half-precision state: computed in float32 (in float16, m^2 and the floor would under- and overflow).
+    for dtype in (torch.float16, torch.bfloat16):
+        noise = scaling.factor(torch.zeros(3, dtype=dtype), torch.full((3,), 1e-6, dtype=dtype), t=1e9,
+                               betas=(0.9, 0.999))
+        assert torch.equal(noise, torch.full((3,), 2.0))
 
     # The whole update, with the moments set to pure noise: the step's move doubles, exactly.
     param = torch.nn.Parameter(torch.tensor([4.0, 8.0]))
-    optimizer = torch.optim.Adam([param], lr=0.5, betas=(0.5, 0.5), weight_decay=0.0)
+    # Adam's decay is coupled (part of the gradient, hence of m and v): none of the move is excluded.
+    optimizer = torch.optim.Adam([param], lr=0.5, betas=(0.5, 0.5), weight_decay=0.5)
     param.grad = torch.tensor([1.0, 1.0])
     optimizer.step()  # creates the state (step 1)
     state = optimizer.state[param]

@@ -26,7 +26,9 @@ is coupled, i.e. part of the gradient)::
     w <- w_after + (c - 1) * d
 
 The adaptive part becomes ``c * d``: the step Adam takes with ``v_P`` in place
-of ``v`` (exactly so when ``eps`` is small against ``sqrt(v)``). The decoupled
+of ``v`` (exactly so when ``eps`` is small against ``sqrt(v)``; where it is not,
+as in a coordinate that rarely has a gradient, the step is scaled all the same).
+With ``amsgrad`` the ratio is still taken from ``exp_avg_sq``. The decoupled
 decay is left as it was. ``m^2`` estimates the squared mean gradient from the
 rank's own running mean, whose noise biases it slightly up, so ``c`` errs
 towards 1 (no scaling). A parameter whose step was skipped (its ``step`` did
@@ -35,7 +37,8 @@ alone.
 
 Main thread only, no collective: each rank rescales its own step from its own
 optimizer state, before the step's model goes to the group average. One
-parameter-sized buffer per optimizer (the weights before the step), reused.
+parameter-sized buffer per optimizer (the weights before the step) is kept and
+reused; the factors take a second one while a step is rescaled.
 """
 
 from __future__ import annotations
@@ -154,7 +157,9 @@ class GlobalBatchScaling:
             moves = [b for _, b, _ in members]  # the weights before: becomes d in place
             c = self._factors([st["exp_avg"] for _, _, st in members],
                               [st["exp_avg_sq"] for _, _, st in members], t=t, betas=group["betas"])
-            decay = float(group["lr"]) * float(group["weight_decay"]) if group.get("decoupled_weight_decay") else 0.0
+            # torch < 2.7 has no "decoupled_weight_decay" key: there AdamW is the decoupled one.
+            decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
+            decay = float(group["lr"]) * float(group["weight_decay"]) if decoupled else 0.0
             torch._foreach_mul_(moves, -(1.0 - decay))
             torch._foreach_add_(moves, weights)  # d = w_after - (1 - lr wd) w_before
             torch._foreach_sub_(c, 1.0)
@@ -170,6 +175,11 @@ class GlobalBatchScaling:
         """
         beta1, beta2 = float(betas[0]), float(betas[1])
         world = self.world_size
+        if exp_avg and exp_avg[0].dtype in (torch.float16, torch.bfloat16):
+            # Half-precision state (precision="16-true"/"bf16-true"): m^2 and the floor below
+            # would under- or overflow in float16; the ratio is computed in float32.
+            exp_avg = [m.float() for m in exp_avg]
+            exp_avg_sq = [v.float() for v in exp_avg_sq]
         c = torch._foreach_mul(exp_avg, exp_avg)
         torch._foreach_mul_(c, (1.0 - beta2**t) / (1.0 - beta1**t) ** 2)
         torch._foreach_minimum_(c, exp_avg_sq)  # s'

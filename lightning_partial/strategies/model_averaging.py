@@ -22,8 +22,8 @@ for set-up, SIGTERM, checkpoints and the end of fit. Specific to model averaging
   reference codes. With an Adam-family optimizer each local step is rescaled,
   per coordinate, to the size DDP's Adam would give it on the global batch
   (``adaptive_scaling``, :mod:`lightning_partial.strategies.adaptive_scaling`):
-  main thread, right after ``optimizer.step`` and before the group average, from
-  the rank's own optimizer state; no collective.
+  main thread, right after ``optimizer.step`` (and so, in the default order,
+  before the group average), from the rank's own optimizer state; no collective.
 """
 
 from __future__ import annotations
@@ -213,6 +213,11 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
             "global_batch" if i in self._scaled else "none" for i in range(max(len(self.optimizers), 1))
         )
         return settings
+
+    @override
+    def teardown(self) -> None:
+        self._scaling = None  # its copy of the weights is not needed after the fit
+        super().teardown()
 
     # ------------------------------------------------------------- engines
     @override

@@ -193,7 +193,7 @@ def main() -> None:
     parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (the staleness rule reads it)")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="the optimizer's weight decay")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
-                        help="SGD (lr 0.05, --momentum) or AdamW (lr 0.01)")
+                        help="SGD (lr 0.05, --momentum) or AdamW (lr 0.01; --momentum is ignored)")
     parser.add_argument("--unused", action="store_true", help="a layer no rank uses and one only rank 0 uses")
     parser.add_argument("--rank0-only", action="store_true", help="only the layer rank 0 uses on odd batches")
     parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
