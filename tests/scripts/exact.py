@@ -231,6 +231,12 @@ def main() -> None:
         record["final_after_evaluate"] = {k: v.detach().to(torch.float64).tolist() for k, v in model.named_parameters()}
     (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
+    if torch.distributed.is_initialized():
+        # Tear the default group down now rather than during interpreter shutdown, where a
+        # gloo thread still alive has aborted a DDP run once ("terminate called without an
+        # active exception") after it had written its results.
+        torch.distributed.destroy_process_group()
+
 
 if __name__ == "__main__":
     main()

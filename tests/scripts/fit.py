@@ -330,6 +330,12 @@ def main() -> None:
     (args.out / f"callbacks{rank}.json").write_text(json.dumps(record, indent=1))
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / f"rank{rank}.pt")
 
+    if torch.distributed.is_initialized():
+        # Tear the default group down now rather than during interpreter shutdown, where a
+        # gloo thread still alive has aborted a DDP run once ("terminate called without an
+        # active exception") after it had written its results.
+        torch.distributed.destroy_process_group()
+
 
 if __name__ == "__main__":
     main()
