@@ -49,6 +49,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_partial.strategies.prediction import copy_weights
+
 __all__ = ["ADAPTIVE_SCALINGS", "GlobalBatchScaling", "check_scaling", "resolve", "resolve_all"]
 
 #: ``adaptive_scaling`` values: ``"auto"`` (``"global_batch"`` for an Adam-family optimizer on more than
@@ -121,11 +123,7 @@ class GlobalBatchScaling:
 
     def begin(self, index: int, optimizer: Optimizer, params: Sequence[Tensor]) -> None:
         """Copies the weights (into the optimizer's reused buffer) and notes each parameter's step count."""
-        buffers = self._before.get(index)
-        if buffers is None or [b.shape for b in buffers] != [p.shape for p in params]:
-            self._before[index] = [p.detach().clone() for p in params]
-        else:
-            torch._foreach_copy_(buffers, [p.detach() for p in params])
+        self._before[index] = copy_weights(params, self._before.get(index))
         self._steps[index] = _steps(optimizer, params)
 
     @torch.no_grad()

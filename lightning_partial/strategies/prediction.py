@@ -26,7 +26,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["LAST_UPDATE_KEY", "WeightPrediction"]
+__all__ = ["LAST_UPDATE_KEY", "WeightPrediction", "copy_weights"]
 
 #: The checkpoint entry holding the last update per optimizer index (``{index: [tensor per parameter]}``).
 LAST_UPDATE_KEY = "lightning_partial_last_update"
@@ -34,6 +34,14 @@ LAST_UPDATE_KEY = "lightning_partial_last_update"
 
 def _detached(params: Sequence[Tensor]) -> list[Tensor]:
     return [p.detach() for p in params]
+
+
+def copy_weights(params: Sequence[Tensor], into: Optional[list[Tensor]]) -> list[Tensor]:
+    """A copy of ``params``: into the buffers ``into`` when they have the same shapes, else new tensors."""
+    if into is None or [b.shape for b in into] != [p.shape for p in params]:
+        return [p.detach().clone() for p in params]
+    torch._foreach_copy_(into, _detached(params))
+    return into
 
 
 class WeightPrediction:
@@ -60,11 +68,7 @@ class WeightPrediction:
     # ------------------------------------------------------------ the step
     def begin(self, index: int, params: Sequence[Tensor]) -> list[Tensor]:
         """A copy of the weights (in a reused buffer when one is free)."""
-        buffers = self._spare.pop(index, None)
-        if buffers is None or [b.shape for b in buffers] != [p.shape for p in params]:
-            return [p.detach().clone() for p in params]
-        torch._foreach_copy_(buffers, _detached(params))
-        return buffers
+        return copy_weights(params, self._spare.pop(index, None))
 
     @contextlib.contextmanager
     def predicted(self, index: int, params: Sequence[Tensor], before: list[Tensor]) -> Iterator[None]:
