@@ -182,8 +182,11 @@ class EngineGroups:
             )
 
     def _collective_error(self, err: Exception, r: int, what: str) -> PartialCollectiveError:
-        return error_kind(err)(
-            f"{what} allreduce failed ({type(err).__name__}: {err}); a peer rank probably died or stalled",
+        kind = error_kind(err)
+        # A timeout names the bound it ran under: the round's (the set-up bound never applies here).
+        failed = f"timed out after {self._round_bound.total_seconds():g}s" if kind is PartialCollectiveTimeout else "failed"
+        return kind(
+            f"{what} allreduce {failed} ({type(err).__name__}: {err}); a peer rank probably died or stalled",
             rank=self.rank,
             round_index=r,
         )
