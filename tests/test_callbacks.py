@@ -459,6 +459,15 @@ def test_csv_log_has_every_partial_metric_at_every_step(fit4: Path) -> None:
         assert r["imbalance/delay_ms"] != ""
 
 
+def test_the_update_rule_in_force_at_four_ranks_is_logged(fit4: Path) -> None:
+    """eager_sgd's defaults under SGD momentum at world size 4: weight prediction on (off only at world size 1)
+    and the "inverse" rule, as StalenessTracker's hyperparameters."""
+    import yaml
+
+    hparams = yaml.safe_load((fit4 / "csv" / "fit" / "version_0" / "hparams.yaml").read_text())
+    assert hparams["partial/weight_prediction"] is True and hparams["partial/staleness_rule"] == "inverse", hparams
+
+
 def test_wandb_run_is_offline_and_holds_the_partial_metrics(fit4: Path) -> None:
     runs = sorted((fit4 / "wandb" / "wandb").glob("*run-*"))
     assert [p.name.split("-")[0] for p in runs] == ["offline"], runs  # no online run directory

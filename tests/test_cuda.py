@@ -5,7 +5,7 @@ in the style of Lightning's ``RunIf(min_cuda_gpus=1)``). A module-level
 ``pytestmark`` would also mark the CPU variants below, so the two marks are
 applied per test. On a GPU machine::
 
-    python3 -m pytest -m cuda tests/test_cuda.py
+    python3 -m pytest -m cuda tests/test_cuda.py tests/test_staleness.py
 
 One GPU only: NCCL refuses two ranks on one device, so the two-process test uses
 ``backend="gloo"`` on CUDA tensors, and every NCCL test runs at world size 1.
@@ -46,6 +46,10 @@ Items:
 9. ``test_nccl_only_on_the_communication_thread``: in a one-GPU fit, every NCCL
    collective during fit comes from the engine's communication thread; the
    strategy's own collectives (``sync_dist``, ``all_gather``, ``barrier``) run on gloo.
+10. ``test_abs_sgd_adamw_retimes_on_the_device``: ``strategy="abs_sgd"`` with AdamW on one GPU
+    (``32-true``, ``bf16-mixed``): every late result re-timed through Adam's moments on the
+    device (``compensation.retime_adam``), the weights finite, the training loss lower. The
+    formula's own CUDA checks are ``tests/test_staleness.py``'s ``[cuda]`` variants (``python3 -m pytest -m cuda tests/test_cuda.py tests/test_staleness.py``).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ import os
 import queue as queue_module
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -92,7 +97,7 @@ MEMORY_WARMUP = 5
 
 ROOT = Path(__file__).resolve().parent.parent
 FIT_SCRIPT = "tests.scripts.cuda_fit"  # run as `python -m` from the repository root
-FIT_CASES = ("fp32", "bf16", "majority", "invariant")
+FIT_CASES = ("fp32", "bf16", "majority", "invariant", "abs_adamw")
 
 
 def run_if_cuda(test: Callable) -> Callable:
@@ -1094,3 +1099,40 @@ def test_nccl_only_on_the_communication_thread(lightning_fits):
     names = {c["fn"] for c in main}
     assert {"all_reduce", "all_gather", "barrier"} <= names, names  # sync_dist, self.all_gather, strategy.barrier
     assert any(c["fn"] == "all_reduce" and c["validating"] for c in main), "no sync_dist reduction in validation"
+
+
+@run_if_cuda
+@pytest.mark.timeout(480)
+def test_abs_sgd_adamw_retimes_on_the_device(lightning_fits):
+    """Item 10: Adam spike compensation on CUDA state, through the strategy (world size 1: every result late)."""
+    out = _fit_record(lightning_fits, "abs_adamw")
+    for precision, run in out["runs"].items():
+        assert run["update_rule"]["staleness_rule"] == "momentum", (precision, run["update_rule"])
+        assert run["finite"] and run["trained"] and run["global_step"] > 0, (precision, run)
+        assert run["retimed"] and all(r["staleness"] == 1 for r in run["retimed"]), (precision, run["retimed"][:3])
+        places = {(tuple(r["params"]), tuple(r["grads"]), tuple(r["moments"])) for r in run["retimed"]}
+        assert places == {(("cuda:0",),) * 3}, (precision, places)
+        assert run["loss_after"] < run["loss_before"], (precision, run["loss_before"], run["loss_after"])
+
+
+@pytest.mark.timeout(240)
+def test_fit_cases_on_the_host():
+    """Items 4 and 10 on the host (gloo, no GPU): the script's own check, and the CPU suite's guard that
+    eager_sgd on one device takes strategy="auto"'s steps (weight prediction is off at world size 1)."""
+    records = {}
+    with tempfile.TemporaryDirectory() as out:
+        env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        proc = subprocess.run([sys.executable, "-m", FIT_SCRIPT, "--out", out, "--accelerator", "cpu",
+                               "--cases", "fp32,abs_adamw"], env=env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=200, stdin=subprocess.DEVNULL)
+        for case in ("fp32", "abs_adamw"):
+            path = Path(out) / f"{case}.json"
+            assert path.exists(), f"no record of {case} (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}"
+            records[case] = json.loads(path.read_text())
+    fp32, adamw = _fit_record(records, "fp32"), _fit_record(records, "abs_adamw")
+    assert fp32["identical"] and fp32["trained"], f"eager_sgd differs from strategy='auto' by {fp32['max_diff']:.3g}"
+    for precision, run in adamw["runs"].items():
+        assert run["update_rule"]["staleness_rule"] == "momentum" and run["retimed"], (precision, run["update_rule"])
+        assert {tuple(r["moments"]) for r in run["retimed"]} == {("cpu",)}
+        assert run["finite"] and run["loss_after"] < run["loss_before"], (precision, run)

@@ -156,8 +156,13 @@ def test_rule_none_leaves_rounds_whole(dtype):
 
 
 # ----------------------------------------------------- the strategies' side
-def _params(n: int = 2) -> list[torch.nn.Parameter]:
-    return [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)) for _ in range(n)]
+def _params(n: int = 2, device: str = "cpu") -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64, device=device)) for _ in range(n)]
+
+
+#: The host, and a CUDA device where there is one (selected by ``-m cuda``, skipped without a GPU).
+DEVICES = ["cpu", pytest.param("cuda", id="cuda", marks=(
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")))]
 
 
 @pytest.mark.parametrize(
@@ -170,7 +175,10 @@ def _params(n: int = 2) -> list[torch.nn.Parameter]:
         (lambda p: torch.optim.SGD(p, lr=0.1), "auto", True, ("none", 0.0, 0.0)),
         (lambda p: torch.optim.AdamW(p, lr=1e-3), "auto", False, ("inverse", 0.0, 0.0)),
         (lambda p: torch.optim.AdamW(p, lr=1e-3), "momentum", False, ("momentum", 0.9, 0.0)),
-        (lambda p: torch.optim.AdamW(p, lr=1e-3), "auto", True, ("none", 0.0, 0.0)),
+        # abs_sgd re-times whole late results through Adam's and AdamW's own update (retime_adam).
+        (lambda p: torch.optim.AdamW(p, lr=1e-3), "auto", True, ("momentum", 0.9, 0.0)),
+        (lambda p: torch.optim.Adam(p, lr=1e-3, betas=(0.8, 0.99)), "momentum", True, ("momentum", 0.8, 0.0)),
+        (lambda p: torch.optim.NAdam(p, lr=1e-3), "auto", True, ("none", 0.0, 0.0)),
         (lambda p: torch.optim.SGD(p, lr=0.1), "inverse", False, ("inverse", 0.0, 0.0)),
         (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "none", True, ("none", 0.0, 0.0)),
         (lambda p: torch.optim.Adagrad(p, lr=0.1), "auto", True, ("none", 0.0, 0.0)),
@@ -193,7 +201,8 @@ def test_rule_resolved_from_the_optimizer(make, rule, spike, expected):
     "make, rule, spike, match",
     [
         (lambda p: torch.optim.SGD(p, lr=0.1), "momentum", False, "needs an optimizer with momentum"),
-        (lambda p: torch.optim.AdamW(p, lr=1e-3), "momentum", True, "needs torch.optim.SGD with momentum"),
+        (lambda p: torch.optim.NAdam(p, lr=1e-3), "momentum", True,
+         "needs torch.optim.SGD with momentum, torch.optim.Adam or torch.optim.AdamW, not NAdam"),
         (lambda p: torch.optim.RMSprop(p, lr=0.1, momentum=0.9), "momentum", True, "needs torch.optim.SGD"),
         (
             lambda p: torch.optim.SGD([{"params": p[:1], "momentum": 0.9}, {"params": p[1:], "momentum": 0.5}], lr=0.1),
@@ -252,3 +261,97 @@ def test_spike_follows_each_groups_learning_rate_and_maximize():
     compensation.apply_spike(opt, [a, b], [g, g], 2.0)
     assert torch.equal(a.detach(), torch.full((3,), -1.0, dtype=torch.float64))
     assert torch.equal(b.detach(), torch.full((3,), 0.5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("adam", [torch.optim.Adam, torch.optim.AdamW])
+@pytest.mark.parametrize("tau", [1, 2, 3])
+def test_adam_retiming_leaves_the_on_time_first_moment_and_applies_the_owed_share(adam, tau, device):
+    """betas (0.5, 0.75), exact in binary: a gradient that arrives tau rounds late leaves in exp_avg what the
+    on-time trajectory holds tau rounds on, (1 - b1) b1^tau g, and moves the weights by the documented plain step
+    (the owed 1 - b1^tau, less what the step applied through the moment), at the step's own scale."""
+    b1, b2, lr, eps = 0.5, 0.75, 0.25, 1e-8
+    g = torch.tensor([8.0, -4.0, 2.0], dtype=torch.float64, device=device)
+
+    def run(delay: int, compensate: bool) -> tuple[torch.nn.Parameter, torch.optim.Optimizer, torch.Tensor]:
+        (p,) = _params(1, device)
+        opt = adam([p], lr=lr, betas=(b1, b2), eps=eps, weight_decay=0.0)
+        stepped = p.detach().clone()
+        for r in range(delay + 1):
+            p.grad = g.clone() if r == delay else torch.zeros_like(g)
+            stepped = p.detach().clone()
+            opt.step()
+            stepped = p.detach().clone()
+        if compensate:
+            compensation.retime_adam(opt, [p], [g], tau)
+        return p, opt, stepped
+
+    on_time, on_opt, _ = run(0, compensate=False)
+    # On time, tau rounds later (zero gradients since): the moment holds (1 - b1) b1^tau g.
+    for _ in range(tau):
+        on_time.grad = torch.zeros_like(g)
+        on_opt.step()
+    late, late_opt, after_step = run(tau, compensate=True)
+    assert torch.equal(late_opt.state[late]["exp_avg"], on_opt.state[on_time]["exp_avg"])
+    assert torch.equal(late_opt.state[late]["exp_avg"], (1 - b1) * b1**tau * g)
+    t = tau + 1
+    denom = (late_opt.state[late]["exp_avg_sq"] / (1 - b2**t)).sqrt() + eps
+    expected = after_step - lr / (1 - b1**t) * b1 * (1 - b1**tau) * g / denom
+    assert torch.allclose(late.detach(), expected, rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adam_retiming_in_bfloat16_is_the_float32_formula_rounded_once(device):
+    """bfloat16 weights and state (Adam keeps the parameter's dtype): the quotient is taken in float32 and
+    rounded once into the weights; the moment's correction is the gradient's share in the moment's dtype.
+    (Not float16: Adam's own step there turns NaN where eps = 1e-8 underflows.)"""
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, device=device).to(dtype))
+    opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1)
+    g = torch.randn(64, device=device).to(dtype)
+    p.grad = g.clone()
+    opt.step()
+    stepped, moment = p.detach().clone(), opt.state[p]["exp_avg"].clone()
+    second, t = opt.state[p]["exp_avg_sq"].float(), float(opt.state[p]["step"])
+    compensation.retime_adam(opt, [p], [g], 2)
+    owed = 1 - 0.9**2
+    assert torch.equal(opt.state[p]["exp_avg"], moment.add(g, alpha=-(1 - 0.9) * owed))
+    step = g.float() / ((second / (1 - 0.999**t)).sqrt() + 1e-8) * (1e-2 * 0.9 * owed / (1 - 0.9**t))
+    assert torch.equal(p.detach(), stepped - step.to(dtype))
+    assert torch.isfinite(p.detach()).all() and not torch.equal(p.detach(), stepped)
+
+
+def test_adam_retiming_follows_maximize_amsgrad_and_skips_parameters_without_state():
+    a, b, c = _params(3)
+    opt = torch.optim.AdamW([{"params": [a]}, {"params": [b], "maximize": True, "amsgrad": True}, {"params": [c]}],
+                            lr=0.25, betas=(0.5, 0.75), weight_decay=0.0)
+    g = torch.tensor([8.0, -4.0, 2.0], dtype=torch.float64)
+    a.grad, b.grad = g.clone(), g.clone()
+    opt.step()  # c has no gradient: no state
+    stepped = [x.detach().clone() for x in (a, b, c)]
+    moments = [opt.state[x]["exp_avg"].clone() for x in (a, b)]
+    compensation.retime_adam(opt, [a, b, c], [g, g, g], 1)
+    # Descent moves against g, ascent (maximize) with it; the moment keeps its own sign convention.
+    assert torch.all((a.detach() - stepped[0]) * g < 0) and torch.all((b.detach() - stepped[1]) * g > 0)
+    assert torch.equal(opt.state[a]["exp_avg"], moments[0] - 0.25 * g)
+    assert torch.equal(opt.state[b]["exp_avg"], moments[1] + 0.25 * g)
+    assert torch.equal(c.detach(), stepped[2]) and c not in opt.state
+    # amsgrad: the denominator is max_exp_avg_sq's (equal to exp_avg_sq after one step): same size as a's move.
+    assert torch.allclose((a.detach() - stepped[0]).abs(), (b.detach() - stepped[1]).abs(), rtol=1e-15, atol=0)
+
+
+def test_compensate_dispatches_by_optimizer_and_sgd_keeps_its_plain_step():
+    (p,) = _params(1)
+    weights = StalenessWeights(rule="momentum", momentum=0.5)
+    sgd = torch.optim.SGD([p], lr=0.25, momentum=0.5)
+    assert compensation.gradient_weight(sgd, weights, 1) == 0.5
+    g = torch.ones(3, dtype=torch.float64)
+    compensation.compensate(sgd, weights, [p], [0.5 * g], 1)  # grads as stepped: weight * g
+    assert torch.equal(p.detach(), torch.full((3,), -0.25, dtype=torch.float64))  # lr * spike(1) * g
+    (q,) = _params(1)
+    adam = torch.optim.Adam([q], lr=0.25, betas=(0.5, 0.75))
+    assert compensation.gradient_weight(adam, weights, 1) == 1.0
+    assert compensation.gradient_weight(adam, StalenessWeights(rule="inverse"), 1) == 0.5
+    compensation.compensate(adam, StalenessWeights(), [q], [g], 1)  # rule "none": nothing
+    assert torch.equal(q.detach(), torch.zeros(3, dtype=torch.float64))

@@ -154,19 +154,24 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             is stepped then; checkpoints keep it. Costs two parameter-sized buffers
             (the sum, and the last step's gradient, reused for the next sum).
         staleness_rule: how a step's gradient, applied one round late, enters the optimizer.
-            ``"auto"`` (default): with ``torch.optim.SGD`` and momentum ``mu``,
-            ``"momentum"``; otherwise ``"none"``. ``"momentum"``: the result ``g``
-            enters the momentum buffer as ``mu * g`` (the share the buffer would
-            still hold had it been applied on time) and the rest is applied at
-            once as a plain step, ``lr * (1 - dampening) * g``, right after
-            ``optimizer.step()`` (spike compensation): the total effect of every
-            result equals the on-time one, only its first plain step comes a round
-            late. On a quadratic with ``mu = 0.9`` this raises the largest stable
-            learning rate 2.5-fold over feeding the late result whole (see
-            :mod:`lightning_partial.collectives.staleness`). Gradient clipping
-            sees the weighted gradient; the plain step follows the clipped one.
-            Refused for any optimizer but ``torch.optim.SGD`` with momentum (Adam's or
-            RMSprop's running scale has no such plain step).
+            ``"auto"`` (default): ``"momentum"`` with ``torch.optim.SGD`` and momentum
+            ``mu``, and with ``torch.optim.Adam`` or ``AdamW`` (``mu = beta1``);
+            otherwise ``"none"``. ``"momentum"`` (spike compensation): under SGD the
+            result ``g`` enters the momentum buffer as ``mu * g`` (the share the
+            buffer would still hold had it been applied on time) and the rest is
+            applied at once as a plain step, ``lr * (1 - dampening) * g``, right after
+            ``optimizer.step()``; under Adam and AdamW the step takes ``g`` whole and
+            the first moment is then left holding ``beta1`` of its share, the rest
+            applied at once with the step's own scale ``lr / (sqrt(v) + eps)``
+            (:func:`~lightning_partial.strategies.compensation.retime_adam`). The total
+            effect of every result equals the on-time one; only its first share comes
+            a round late. On a quadratic with ``mu = 0.9`` this raises SGD's largest
+            stable learning rate 2.5-fold over feeding the late result whole (see
+            :mod:`lightning_partial.collectives.staleness`); under AdamW it recovers
+            part of the accuracy the delay costs (measured in docs/staleness.md).
+            Gradient clipping sees the gradient as stepped; the compensation follows
+            the clipped one. Refused for other optimizers (NAdam's, RAdam's or
+            RMSprop's steps have no such share).
             ``"inverse"``: the result is halved (weight ``1 / (1 + 1)``).
             ``"none"``: every result whole (the paper's rule).
         weight_prediction: ``True`` (default): each micro-batch's gradient is
@@ -438,7 +443,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         module = model if isinstance(model, pl.LightningModule) else self.lightning_module
         # A step's gradient sums rounds applied one round after the micro-batches they sum were computed.
         weights = self._staleness.get(index, StalenessWeights())
-        weight, spike = weights.weight(1), weights.spike(1)
+        weight = compensation.gradient_weight(optimizer, weights, 1)
         params = self._params[index]
         accumulator = self._accumulator
         steps = 0
@@ -461,10 +466,10 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             before = prediction.begin(index, params) if prediction is not None else None
             optimizer.step()
             steps += 1
-            if spike:
+            if weights.spike(1):
                 # From the gradients as clipped (weight * g after clipping): the same direction and scale.
                 stepped = [(p, p.grad) for p in params if p.grad is not None]
-                compensation.apply_spike(optimizer, [p for p, _ in stepped], [g for _, g in stepped], spike / weight)
+                compensation.compensate(optimizer, weights, [p for p, _ in stepped], [g for _, g in stepped], 1)
             if prediction is not None and before is not None:
                 prediction.finish(index, params, before)  # the step's update, spike included
             if not final:

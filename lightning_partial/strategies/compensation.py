@@ -13,8 +13,9 @@ not known at construction):
   (``eager_sgd``): ``"inverse"`` (it halves the most common case, a gradient
   one round late, where ``"momentum"`` keeps most of it). Where a whole result
   is late by one round (``abs_sgd``, ``spike=True``): ``"momentum"`` with spike
-  compensation under ``torch.optim.SGD`` with momentum (every result then acts
-  as much as on time), ``"none"`` otherwise. Measured in
+  compensation under ``torch.optim.SGD`` with momentum, ``torch.optim.Adam`` and
+  ``torch.optim.AdamW`` (every result then acts as much as on time; see
+  :func:`compensate`), ``"none"`` otherwise. Measured in
   ``docs/staleness.md#why-these-defaults``.
 * ``"momentum"``: the same, but an optimizer without momentum is an error.
 * ``"inverse"``, ``"none"``: as the engine defines them.
@@ -34,6 +35,10 @@ from torch.optim import Optimizer
 from lightning_partial.collectives.staleness import STALENESS_RULES, StalenessWeights
 
 STRATEGY_RULES: tuple[str, ...] = ("auto",) + STALENESS_RULES
+
+#: The Adam-like optimizers whose update :func:`retime_adam` knows (``m / (sqrt(v) + eps)``, bias-corrected):
+#: NAdam's and RAdam's steps are other functions of their moments.
+ADAM_SPIKE: tuple[type[Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def check_rule(rule: object, *, owner: str) -> str:
@@ -85,11 +90,11 @@ def optimizer_momentum(optimizer: Optimizer) -> tuple[str, float, float]:
 def resolve(rule: str, optimizer: Optimizer, *, owner: str, spike: bool = False) -> StalenessWeights:
     """The weights for ``rule`` given ``optimizer``; raises ``ValueError`` naming ``staleness_rule``.
 
-    ``spike=True``: the caller applies :meth:`StalenessWeights.spike` (a result
-    whose contributions share one staleness), which is defined for SGD's update
-    only: under ``"auto"`` an optimizer other than SGD with momentum then gets ``"none"`` (Adam
-    divides its update by a running scale, so neither a uniform weight nor a
-    plain step re-times a late gradient), and ``"momentum"`` is refused.
+    ``spike=True``: the caller re-times a whole late result (:func:`compensate`),
+    which is defined for SGD's update and for Adam's and AdamW's: under ``"auto"``
+    any other optimizer then gets ``"none"``, and ``"momentum"`` is refused
+    (NAdam, RAdam and RMSprop compute their steps otherwise, so neither a weight
+    nor a plain step re-times a late gradient there).
     """
     if rule in ("inverse", "none"):
         return StalenessWeights(rule=rule)  # type: ignore[arg-type]
@@ -97,8 +102,9 @@ def resolve(rule: str, optimizer: Optimizer, *, owner: str, spike: bool = False)
         # "inverse" needs no coefficient: the groups may differ.
         return StalenessWeights(rule="inverse") if has_momentum(optimizer) else StalenessWeights()
     kind, mu, dampening = optimizer_momentum(optimizer)
+    retimed = kind == "sgd" or (kind == "adam" and isinstance(optimizer, ADAM_SPIKE))
     if rule == "auto":
-        if kind == "sgd":
+        if retimed:
             return _checked_for_spike(StalenessWeights(rule="momentum", momentum=mu, dampening=dampening), optimizer)
         return StalenessWeights()
     if rule == "momentum":
@@ -107,10 +113,11 @@ def resolve(rule: str, optimizer: Optimizer, *, owner: str, spike: bool = False)
                 f"{owner}: staleness_rule='momentum' needs an optimizer with momentum (SGD momentum > 0, or Adam's "
                 f"beta1), but {type(optimizer).__name__} has none: use staleness_rule='inverse' or 'none'"
             )
-        if spike and kind != "sgd":
+        if spike and not retimed:
             raise ValueError(
-                f"{owner}: staleness_rule='momentum' re-times late results with plain SGD steps, which needs "
-                f"torch.optim.SGD with momentum, not {type(optimizer).__name__}: use staleness_rule='auto' or 'none'"
+                f"{owner}: staleness_rule='momentum' re-times late results through the optimizer's own update, "
+                "which needs torch.optim.SGD with momentum, torch.optim.Adam or torch.optim.AdamW, not "
+                f"{type(optimizer).__name__}: use staleness_rule='auto' or 'none'"
             )
         weights = StalenessWeights(rule="momentum", momentum=mu, dampening=dampening)
         return _checked_for_spike(weights, optimizer) if spike else weights
@@ -152,3 +159,86 @@ def apply_spike(optimizer: Optimizer, params: Sequence[Tensor], tensors: Sequenc
             continue
         sign = 1.0 if group.get("maximize", False) else -1.0
         p.add_(g.to(p.dtype), alpha=sign * float(group["lr"]) * coefficient)
+
+
+def gradient_weight(optimizer: Optimizer, weights: StalenessWeights, staleness: int) -> float:
+    """The factor of a result ``staleness`` rounds late in the gradient given to ``optimizer.step()``.
+
+    SGD: :meth:`StalenessWeights.weight` (the momentum buffer takes the share it
+    would still hold). Adam and AdamW under ``"momentum"``: 1, so that the second
+    moment sees the gradient as it is; :func:`retime_adam` moves the first
+    moment's share after the step.
+    """
+    if weights.rule == "momentum" and isinstance(optimizer, ADAM_SPIKE):
+        return 1.0
+    return weights.weight(staleness)
+
+
+def compensate(optimizer: Optimizer, weights: StalenessWeights, params: Sequence[Tensor],
+               grads: Sequence[Tensor], staleness: int) -> None:
+    """After ``optimizer.step()`` on a result ``staleness`` rounds late: its spike compensation.
+
+    ``grads`` are the gradients the step used (``p.grad`` as clipped: the result
+    times :func:`gradient_weight`). SGD: the plain step
+    ``lr * spike / weight * grad`` (:func:`apply_spike`); Adam and AdamW:
+    :func:`retime_adam`. Nothing under the rules without a spike.
+    """
+    spike = weights.spike(staleness)
+    if not spike:
+        return
+    if isinstance(optimizer, ADAM_SPIKE):
+        retime_adam(optimizer, params, grads, staleness)
+    else:
+        apply_spike(optimizer, params, grads, spike / weights.weight(staleness))
+
+
+@torch.no_grad()
+def retime_adam(optimizer: Optimizer, params: Sequence[Tensor], grads: Sequence[Tensor], staleness: int) -> None:
+    """Spike compensation for Adam and AdamW, after a step on gradients ``staleness`` (``tau``) rounds late.
+
+    Applied on time, a gradient ``g`` enters Adam's first moment as ``(1 - b1) g``
+    and acts through it with a total weight of 1 (in units of ``lr g / (sqrt(v) +
+    eps)``, bias-corrected), ``1 - b1^tau`` of it in the ``tau`` steps it missed.
+    The step just taken put ``(1 - b1) g`` in the moment. This leaves there what the
+    on-time trajectory would still hold, ``(1 - b1) b1^tau g``, and applies now,
+    with this step's scale, what it would already have applied, ``1 - b1^tau``::
+
+        exp_avg <- exp_avg - (1 - b1)(1 - b1^tau) g
+        w       <- w - lr / (1 - b1^t) * b1 (1 - b1^tau) g / (sqrt(v / (1 - b2^t)) + eps)
+
+    (``b1 (1 - b1^tau)``: the ``1 - b1^tau`` owed, less the ``(1 - b1)(1 - b1^tau)``
+    the step already applied through the moment.) ``v`` is ``exp_avg_sq``
+    (``max_exp_avg_sq`` with ``amsgrad``), which took ``g`` whole: a late gradient's
+    scale is no different. Adam's coupled weight decay is of the current weights
+    and is not re-timed; AdamW's decoupled decay is not touched. ``maximize``
+    groups: the moment holds ``-g``. A parameter without Adam state is left alone.
+    """
+    # One pass of foreach operations per parameter group (a Python loop per tensor costs more than the
+    # arithmetic on a model of many small tensors; abs_sgd calls this after every step).
+    index_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    members: dict[int, list[tuple[Tensor, Tensor, dict]]] = {}
+    for p, g in zip(params, grads):
+        i, state = index_of.get(id(p)), optimizer.state.get(p)
+        if i is not None and state and "exp_avg" in state:
+            members.setdefault(i, []).append((p, g, state))
+    for i, entries in members.items():
+        group = optimizer.param_groups[i]
+        beta1, beta2 = (float(b) for b in group["betas"])
+        owed = 1.0 - beta1**staleness
+        sign = -1.0 if group.get("maximize", False) else 1.0  # maximize: the moment holds -g
+        steps = [float(state["step"]) for _, _, state in entries]
+        moments = [state["exp_avg"] for _, _, state in entries]
+        torch._foreach_add_(moments, [g.to(m.dtype) for (_, g, _), m in zip(entries, moments)],
+                            alpha=-sign * (1.0 - beta1) * owed)
+        second = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
+        # In float32 at least: half-precision state would round the square root and the quotient.
+        work = [torch.promote_types(state[second].dtype, torch.float32) for _, _, state in entries]
+        denom = torch._foreach_div([state[second].to(w) for (_, _, state), w in zip(entries, work)],
+                                   [1.0 - beta2**t for t in steps])  # a new list: the state is not touched
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, float(group["eps"]))
+        update = [g.to(w, copy=True) for (_, g, _), w in zip(entries, work)]
+        torch._foreach_div_(update, denom)
+        lr = float(group["lr"])
+        torch._foreach_mul_(update, [sign * lr * beta1 * owed / (1.0 - beta1**t) for t in steps])
+        torch._foreach_sub_([p for p, _, _ in entries], [u.to(p.dtype) for (p, _, _), u in zip(entries, update)])

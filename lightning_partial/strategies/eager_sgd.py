@@ -84,8 +84,8 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             recovers most of the accuracy that late gradients cost, in every
             mode (measured in ``docs/staleness.md``). Costs two parameter-sized buffers and two
             copies of the weights per step. ``False``: gradients of the current
-            weights (the paper's rule). Never in ``mode="sync"`` (nothing is
-            late: its steps stay DDP's). The mechanism is
+            weights (the paper's rule). Never in ``mode="sync"`` or at world size 1
+            (nothing is late: the steps stay DDP's, and ``strategy="auto"``'s). The mechanism is
             :mod:`~lightning_partial.strategies.prediction`'s, shared with ``abs_sgd``.
         find_unused_parameters: parameters that no contribution of a round used
             keep ``grad = None`` (untouched by the optimizer, as under DDP with the
@@ -152,6 +152,10 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         # After the optimizers exist, before any rank trains: a rule the optimizer
         # cannot serve fails here.
         self._staleness = compensation.resolve_all(self.staleness_rule, self.optimizers, owner=self.strategy_name)
+        if self.world_size == 1:
+            # One rank's rounds hold its own gradient, never late: no prediction, so that a fit on one
+            # device takes strategy="auto"'s steps bit for bit (a checkpoint's last update is not needed).
+            self._prediction = None
 
     @override
     def _build_engine(self, index: int, params: list[torch.nn.Parameter], store: dist.Store) -> PartialAllreduce:

@@ -6,6 +6,12 @@ Cases (``--cases``, comma-separated, run in this order):
   (``32-true`` / ``bf16-mixed``) from the same initial weights on the same batches;
   records whether the final weights are bit-identical.
 * ``majority``: ``strategy="eager_sgd_majority"`` at world size 1; records what it raised.
+* ``abs_adamw``: 20 rounds of ``strategy="abs_sgd"`` with AdamW at world size 1 (every
+  result a round late, so every step is re-timed through Adam's moments:
+  ``compensation.retime_adam``) in ``32-true`` and ``bf16-mixed``; records the update
+  rule, the device of every re-timed parameter, gradient and moment, and the
+  training loss before and after. (Which micro-batches share a round depends on
+  the communication thread's timing, so the fit is not compared across devices.)
 * ``invariant``: ``strategy="eager_sgd"`` whose module logs with ``sync_dist=True`` every
   step, calls ``self.all_gather`` and ``strategy.barrier()`` in ``training_step`` and runs
   validation epochs with ``sync_dist=True`` logging. A spy installed before Lightning is
@@ -209,13 +215,13 @@ def run_cases(args: argparse.Namespace) -> None:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(free_port())
 
-    def fit(model: Any, strategy: str, precision: str, **kwargs: Any) -> Any:
+    def fit(model: Any, strategy: str, precision: str, accelerator: str = args.accelerator, **kwargs: Any) -> Any:
         fresh_rendezvous()
         options = dict(max_steps=20, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                        use_distributed_sampler=False)  # the same batches as strategy="auto"
         options.update(kwargs)
-        trainer = L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=1, precision=precision, **options)
+        trainer = L.Trainer(strategy=strategy, accelerator=accelerator, devices=1, precision=precision, **options)
         trainer.fit(model)
         return trainer
 
@@ -270,7 +276,60 @@ def run_cases(args: argparse.Namespace) -> None:
             "seen": model.seen,
         }
 
+    class AdamTiny(Tiny):
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            pass  # Tiny's record is eager_sgd's (its engine and round statistics)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+
+    def train_loss(model: Any) -> float:
+        x, y = data(256, 1).tensors
+        net = Tiny().net
+        net.load_state_dict({k: v.detach().float().cpu() for k, v in model.net.state_dict().items()})
+        with torch.no_grad():
+            return float(F.mse_loss(net(x), y))
+
+    def abs_adamw() -> dict[str, Any]:
+        from lightning_partial.strategies import compensation
+
+        retimed: list[dict[str, Any]] = []
+        retime_adam = compensation.retime_adam
+
+        def counting(optimizer: Any, params: Any, grads: Any, staleness: int) -> None:
+            moments = [optimizer.state[p]["exp_avg"] for p in params if "exp_avg" in optimizer.state.get(p, {})]
+            retimed.append({"staleness": staleness, "params": sorted({str(p.device) for p in params}),
+                            "grads": sorted({str(g.device) for g in grads}),
+                            "moments": sorted({str(m.device) for m in moments})})
+            retime_adam(optimizer, params, grads, staleness)
+
+        runs: dict[str, Any] = {}
+        compensation.retime_adam = counting  # compensate() calls it through the module
+        try:
+            for precision in ("32-true", "bf16-mixed"):
+                torch.manual_seed(0)
+                model = AdamTiny()
+                initial = weights(model)
+                before = train_loss(model)
+                first = len(retimed)
+                trainer = fit(model, "abs_sgd", precision, use_distributed_sampler=True)
+                dist.destroy_process_group()  # each fit its own group
+                final = weights(model)
+                runs[precision] = {
+                    "update_rule": trainer.strategy.update_rule(),
+                    "global_step": trainer.global_step,
+                    "finite": all(bool(torch.isfinite(v).all()) for v in final.values()),
+                    "trained": any(not torch.equal(final[k], initial[k]) for k in initial),
+                    "loss_before": before,
+                    "loss_after": train_loss(model),
+                    "retimed": retimed[first:],
+                }
+        finally:
+            compensation.retime_adam = retime_adam
+        return {"runs": runs, "device": args.accelerator}
+
     cases: dict[str, Callable[[], dict[str, Any]]] = {
+        "abs_adamw": abs_adamw,
         "fp32": lambda: against_auto("32-true"),
         "bf16": lambda: against_auto("bf16-mixed"),
         "majority": majority,
@@ -285,7 +344,7 @@ def run_cases(args: argparse.Namespace) -> None:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-        (args.out / f"{case}.json").write_text(json.dumps(record))
+        (args.out / f"{case}.json").write_text(json.dumps(record, default=str))
         print(f"{case}: {'ok' if record['ok'] else 'FAILED'}", flush=True)
 
 
@@ -293,7 +352,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"))
-    parser.add_argument("--cases", default="fp32,bf16,majority,invariant")
+    parser.add_argument("--cases", default="fp32,bf16,majority,invariant,abs_adamw")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     install_spy()  # before Lightning is imported: modules that import a collective by name get the wrapper

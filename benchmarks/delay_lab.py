@@ -1,0 +1,166 @@
+"""Late gradients under AdamW, on the AdamW main job's task, in one process (seconds per fit).
+
+The main job's Transformer task (``conf/main_job_transformer.yaml``: 2 + 2
+layers of width 64 on the built-in token pairs, AdamW lr 0.003 betas (0.9,
+0.98), 8 epochs of 4,096 pairs, held-out token accuracy) with four simulated
+workers of 32 samples each and no communication: at each step ``fresh`` of
+the four micro-batch gradients are applied at once and the others one step
+late, the way a strategy's rounds deliver them:
+
+* ``fresh=4``: DDP; ``fresh=0``: every gradient one step late (``abs_sgd``);
+  ``fresh=1``: one fresh of four (``eager_sgd`` solo's steady state);
+* ``pred``: weight prediction (``lightning_partial/strategies/prediction.py``):
+  every gradient is computed at ``w + pred * u``, ``u`` the last update;
+* ``late_weight``: the factor of a late gradient (``"inverse"``: 0.5);
+* ``retime``: the late gradients' spike compensation through Adam's moments
+  (:func:`lightning_partial.strategies.compensation.retime_adam`, the library's).
+
+It isolates the update rule from the transport, the timing and the host: a
+fit is a pure function of its seed. Fits run two at a time, one thread each::
+
+    .venv/bin/python -m benchmarks.delay_lab            # writes benchmarks/results/delay_lab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+WORKERS, BATCH = 4, 32
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    """One simulated strategy (see the module docstring)."""
+
+    fresh: int = WORKERS
+    pred: float = 0.0
+    late_weight: float = 1.0
+    retime: bool = False
+
+
+SETTINGS: dict[str, Setting] = {
+    "ddp": Setting(),
+    "ddp_lookahead": Setting(pred=1.0),
+    "late": Setting(fresh=0),
+    "late_retime": Setting(fresh=0, retime=True),
+    "late_pred": Setting(fresh=0, pred=1.0),
+    "late_pred_retime": Setting(fresh=0, pred=1.0, retime=True),
+    "late_pred2": Setting(fresh=0, pred=2.0),
+    "solo_pred_inverse": Setting(fresh=1, pred=1.0, late_weight=0.5),
+    "solo_pred_none": Setting(fresh=1, pred=1.0),
+    "solo_pred2_inverse": Setting(fresh=1, pred=2.0, late_weight=0.5),
+}
+
+
+def fit(name: str, seed: int, epochs: int = 8) -> dict:
+    """One fit of setting ``name``: held-out token accuracy and the last quarter's mean training loss."""
+    from recipes.data.text import MappedTokens, pad_pairs
+    from recipes.models.sequence import Seq2SeqTransformer
+
+    from lightning_partial.strategies.compensation import retime_adam
+
+    setting = SETTINGS[name]
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)
+    train = MappedTokens(4096, vocab_size=24, min_len=4, max_len=8, seed=seed, split=0)
+    val = MappedTokens(1024, vocab_size=24, min_len=4, max_len=8, seed=seed, split=1)
+    net = Seq2SeqTransformer(24, 24, 64, 4, 2, 2, 128, 0.0, 10)
+    params = list(net.parameters())
+    opt = torch.optim.AdamW(params, lr=0.003, betas=(0.9, 0.98), weight_decay=0.0)
+
+    def loss_of(batch):
+        src, tgt = batch
+        logits = net(src, tgt[:, :-1])
+        target = tgt[:, 1:]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=0)
+        return loss, logits, target
+
+    def gradient(batch, shift):
+        saved = [p.detach().clone() for p in params] if shift is not None else None
+        with torch.no_grad():
+            for p, s in zip(params, shift or ()):
+                p.add_(s)
+        for p in params:
+            p.grad = None
+        loss, _, _ = loss_of(batch)
+        loss.backward()
+        grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+        with torch.no_grad():
+            for p, s in zip(params, saved or ()):
+                p.copy_(s)
+        return grads, float(loss.detach())
+
+    order = torch.Generator().manual_seed(seed)
+    steps_per_epoch = len(train) // (WORKERS * BATCH)
+    last_update, pending, losses = None, None, []
+    started = time.perf_counter()
+    for _ in range(epochs):
+        perm = torch.randperm(len(train), generator=order).tolist()
+        for s in range(steps_per_epoch):
+            idx = perm[s * WORKERS * BATCH:(s + 1) * WORKERS * BATCH]
+            shift = [u * setting.pred for u in last_update] if setting.pred and last_update is not None else None
+            fresh = [torch.zeros_like(p) for p in params]
+            late = [torch.zeros_like(p) for p in params]
+            for w in range(WORKERS):
+                grads, loss = gradient(pad_pairs([train[i] for i in idx[w * BATCH:(w + 1) * BATCH]]), shift)
+                losses.append(loss)
+                torch._foreach_add_(fresh if w < setting.fresh else late, grads, alpha=1.0 / WORKERS)
+            arriving = pending
+            pending = late  # applied at the next step
+            if arriving is not None:
+                torch._foreach_mul_(arriving, setting.late_weight)
+            for p, g, a in zip(params, fresh, arriving or [None] * len(params)):
+                p.grad = g if a is None else g + a
+            before = [p.detach().clone() for p in params]
+            opt.step()
+            if setting.retime and arriving is not None:
+                retime_adam(opt, params, arriving, 1)
+            last_update = [p.detach() - b for p, b in zip(params, before)]
+    net.eval()
+    correct = count = 0
+    with torch.no_grad():
+        for i in range(0, len(val), 256):
+            _, logits, target = loss_of(pad_pairs([val[j] for j in range(i, min(i + 256, len(val)))]))
+            mask = target.ne(0)
+            correct += int(((logits.argmax(-1) == target) & mask).sum())
+            count += int(mask.sum())
+    quarter = len(losses) // 4
+    return {"setting": name, "seed": seed, "accuracy": 100.0 * correct / count,
+            "train_loss_last_quarter": sum(losses[-quarter:]) / quarter, "seconds": time.perf_counter() - started}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "delay_lab.json")
+    args = parser.parse_args()
+    names = [n for n in args.settings.split(",") if n]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown settings {unknown}: expected some of {', '.join(SETTINGS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    with ProcessPoolExecutor(args.jobs) as pool:
+        runs = list(pool.map(fit, [n for n in names for _ in seeds], [s for _ in names for s in seeds]))
+    summary = {}
+    for name in names:
+        accuracy = [r["accuracy"] for r in runs if r["setting"] == name]
+        summary[name] = {**asdict(SETTINGS[name]), "accuracy": accuracy, "mean": statistics.mean(accuracy),
+                         "range": [min(accuracy), max(accuracy)]}
+        print(f"{name:22s} {' '.join(f'{a:6.2f}' for a in accuracy)}   mean {summary[name]['mean']:6.2f}")
+    args.out.write_text(json.dumps({"seeds": seeds, "summary": summary, "runs": runs}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
