@@ -125,6 +125,8 @@ CONFIGS = ("ddp", "abs_sgd", "no_comm")
 WINDOW = 10
 MODELS = ("cnn", "mlp")
 DEFAULT_LR = {"cnn": 0.4, "mlp": 0.15}
+#: ``--optimizer adamw``'s default learning rates (``--lr`` overrides them).
+ADAMW_LR = {"cnn": 0.003, "mlp": 0.001}
 IMAGE_SIZE, IMAGE_NOISE, IMAGE_TEST_SAMPLES = 16, 1.0, 4096
 
 
@@ -228,6 +230,9 @@ def run_worker(args: argparse.Namespace) -> int:
 
         def configure_optimizers(self):
             lr = args.abs_lr if args.run == "abs_sgd" and args.abs_lr is not None else args.lr
+            if args.optimizer == "adamw":
+                # beta1 = --momentum, as the imbalance benchmark's: the coefficient the staleness rule reads.
+                return torch.optim.AdamW(self.parameters(), lr=lr, betas=(args.momentum, 0.999), weight_decay=0.01)
             return torch.optim.SGD(self.parameters(), lr=lr, momentum=args.momentum)
 
     class Clock(L.Callback):
@@ -389,7 +394,7 @@ def worker_command(args: argparse.Namespace, name: str) -> list[str]:
             "--batch-size", str(args.batch_size), "--speed", ",".join(map(str, args.speed)),
             *[item for option, value in optional.items() if value is not None for item in (option, str(value))],
             "--adaptive" if args.adaptive else "--no-adaptive", "--lr", str(args.lr),
-            "--momentum", str(args.momentum), "--staleness-rule", args.staleness_rule,
+            "--momentum", str(args.momentum), "--optimizer", args.optimizer, "--staleness-rule", args.staleness_rule,
             "--weight-prediction" if args.weight_prediction else "--no-weight-prediction",
             "--abs-epochs", str(args.abs_epochs), "--threads", str(args.threads),
             *(["--thread-cpu"] if args.thread_cpu else [])]
@@ -489,7 +494,8 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
                               max((rep[key] for rep in per_repeat if rep[key] is not None), default=None)]
                         for key in per_repeat[0]}
     summary["per_repeat"] = per_repeat
-    return {"model": args.model, "seed": args.seed, "lr": args.lr, "abs_lr": args.abs_lr, "momentum": args.momentum,
+    return {"model": args.model, "seed": args.seed, "optimizer": args.optimizer, "lr": args.lr, "abs_lr": args.abs_lr,
+            "momentum": args.momentum,
             "staleness_rule": args.staleness_rule, "weight_prediction": args.weight_prediction,
             "speed": args.speed, "target_samples": args.target_samples if args.interval is None else None,
             "interval": args.interval, "reference_samples": args.reference_samples,
@@ -566,10 +572,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the task: cnn (default; much computation per parameter, as the paper's ResNet-18) or "
                              "mlp (the imbalance benchmark's; an allreduce costs as much CPU as a micro-batch)")
     parser.add_argument("--lr", type=float, default=None,
-                        help="plain SGD's learning rate (default: 0.4 for cnn, 0.15 for mlp)")
+                        help="the learning rate (SGD's default: 0.4 for cnn, 0.15 for mlp)")
     parser.add_argument("--abs-lr", type=float, default=None,
                         help="abs_sgd's own learning rate (default: --lr); ddp and no_comm keep --lr")
-    parser.add_argument("--momentum", type=float, default=0.0)
+    parser.add_argument("--momentum", type=float, default=0.0,
+                        help="SGD's momentum; with --optimizer adamw, AdamW's beta1 (give 0.9)")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                        help="sgd (default) or adamw (betas (--momentum, 0.999), weight decay 0.01; --lr default "
+                             "0.003 for cnn, 0.001 for mlp)")
     parser.add_argument("--weight-prediction", action=argparse.BooleanOptionalAction, default=True,
                         help="abs_sgd's weight_prediction (default: on, the strategy's default; the results "
                              "recorded before the option existed ran without it)")
@@ -590,7 +600,7 @@ def main() -> int:
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.lr is None:
-        args.lr = DEFAULT_LR[args.model]
+        args.lr = (ADAMW_LR if args.optimizer == "adamw" else DEFAULT_LR)[args.model]
     if args.run is not None:
         return run_worker(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

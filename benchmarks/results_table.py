@@ -147,7 +147,9 @@ def results_table(imbalance: Json, heterogeneity: Json) -> list[str]:
         f"*heterogeneity* (`benchmarks/results/heterogeneity.json`): rank speeds"
         f" {', '.join(f'{s:g}' for s in heterogeneity['speed'])}, the `--model {heterogeneity['model']}` task,"
         f" medians of {heterogeneity['repeats']} repeats; abs_sgd reached DDP's final training loss in"
-        f" {summary['abs_time_to_ddp_final_loss_ratio']:.2f}x DDP's time.",
+        f" {summary['abs_time_to_ddp_final_loss_ratio']:.2f}x DDP's time"
+        + (f"; its accuracy is after {heterogeneity['abs_epochs']} epochs, DDP's after one." if
+           heterogeneity.get("abs_epochs", 1) != 1 else "."),
     ]
     return lines
 

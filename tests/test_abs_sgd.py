@@ -129,11 +129,12 @@ def test_resume_from_an_epoch_end_checkpoint(tmp_path):
     assert len({r["global_step"] for r in records}) == 1
 
 
-def _tiny_fit(strategy, tmp_path: Path, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), callbacks=()):
-    """A 1-process fit in this process (for errors raised at set-up, before any batch)."""
+def _tiny_fit(strategy, tmp_path: Path, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), callbacks=(),
+              max_steps: int = 2):
+    """A 1-process fit in this process (errors raised at set-up, or a few steps); returns the model."""
     import lightning as L
 
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
                         callbacks=list(callbacks), enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=tmp_path)
 
@@ -149,9 +150,44 @@ def _tiny_fit(strategy, tmp_path: Path, optimizer=lambda params: torch.optim.SGD
         def configure_optimizers(self):
             return optimizer(self.parameters())
 
-    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+    model = Tiny()
     with in_process_fit():
-        trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=8))
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    return model
+
+
+def test_spike_compensation_spares_the_first_step_and_retimes_every_later_one(tmp_path):
+    """One rank, SGD momentum 0.5, no prediction: the first step from a fresh optimizer is on time (its
+    micro-batches ran at the weights it steps), so it is plain SGD on the gradient as it is; every later
+    step takes ``mu * g`` into the momentum buffer and applies ``lr * g`` at once (g = the stepped gradient
+    / mu). Read from the weights and gradients seen at each on_before_optimizer_step."""
+    import lightning as L
+
+    lr, mu = 0.25, 0.5
+    seen: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+
+    class Record(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            params = list(pl_module.parameters())
+            seen.append(([p.detach().clone() for p in params], [p.grad.detach().clone() for p in params]))
+
+    model = _tiny_fit(ABSSGDStrategy(weight_prediction=False), tmp_path, callbacks=[Record()], max_steps=6,
+                      optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=mu))
+    final = [p.detach().clone() for p in model.parameters()]
+    assert len(seen) >= 4
+    buffers = None
+    for k, (weights, grads) in enumerate(seen):
+        after = seen[k + 1][0] if k + 1 < len(seen) else final
+        if k == 0:
+            buffers = [gr.clone() for gr in grads]
+            expected = [w - lr * gr for w, gr in zip(weights, grads)]
+        else:
+            buffers = [mu * b + gr for b, gr in zip(buffers, grads)]
+            expected = [w - lr * b - lr * gr / mu for w, b, gr in zip(weights, buffers, grads)]
+        for a, e in zip(after, expected):
+            assert torch.allclose(a, e, rtol=1e-5, atol=1e-6), (k, (a - e).abs().max())
 
 
 @pytest.mark.parametrize(

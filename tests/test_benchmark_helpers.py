@@ -36,7 +36,7 @@ def test_the_bound_window_starts_at_the_last_rank_to_step_and_must_exist():
 @pytest.mark.parametrize("argv", [
     [],
     ["--model", "mlp", "--seed", "3", "--interval", "0.03", "--abs-lr", "0.25", "--abs-batch-size", "64",
-     "--reference-samples", "512", "--adaptive", "--thread-cpu", "--momentum", "0.9",
+     "--reference-samples", "512", "--adaptive", "--thread-cpu", "--momentum", "0.9", "--optimizer", "adamw",
      "--speed", "1,0.5"],
 ])
 def test_the_workers_get_every_option_the_parent_has(argv):

@@ -1123,9 +1123,13 @@ def test_fit_cases_on_the_host():
     with tempfile.TemporaryDirectory() as out:
         env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
         env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        proc = subprocess.run([sys.executable, "-m", FIT_SCRIPT, "--out", out, "--accelerator", "cpu",
-                               "--cases", "fp32,abs_adamw"], env=env, cwd=ROOT, capture_output=True, text=True,
-                              timeout=200, stdin=subprocess.DEVNULL)
+        try:
+            proc = subprocess.run([sys.executable, "-m", FIT_SCRIPT, "--out", out, "--accelerator", "cpu",
+                                   "--cases", "fp32,abs_adamw"], env=env, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=200, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired as err:
+            output = [o.decode(errors="replace") if isinstance(o, bytes) else (o or "") for o in (err.stdout, err.stderr)]
+            pytest.fail(f"cuda_fit.py on the host timed out after {err.timeout}s:\n{output[0][-3000:]}{output[1][-3000:]}")
         for case in ("fp32", "abs_adamw"):
             path = Path(out) / f"{case}.json"
             assert path.exists(), f"no record of {case} (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}"

@@ -327,18 +327,25 @@ def test_adam_retiming_follows_maximize_amsgrad_and_skips_parameters_without_sta
     opt = torch.optim.AdamW([{"params": [a]}, {"params": [b], "maximize": True, "amsgrad": True}, {"params": [c]}],
                             lr=0.25, betas=(0.5, 0.75), weight_decay=0.0)
     g = torch.tensor([8.0, -4.0, 2.0], dtype=torch.float64)
-    a.grad, b.grad = g.clone(), g.clone()
-    opt.step()  # c has no gradient: no state
+    for scale in (1.0, 0.25):  # a falling gradient: amsgrad's max_exp_avg_sq then exceeds exp_avg_sq
+        a.grad, b.grad = scale * g, scale * g
+        opt.step()  # c has no gradient: no state
+    late = 0.25 * g
     stepped = [x.detach().clone() for x in (a, b, c)]
     moments = [opt.state[x]["exp_avg"].clone() for x in (a, b)]
-    compensation.retime_adam(opt, [a, b, c], [g, g, g], 1)
+    second_b = opt.state[b]["max_exp_avg_sq"]
+    assert torch.all(second_b > opt.state[b]["exp_avg_sq"])
+    compensation.retime_adam(opt, [a, b, c], [late, late, late], 1)
     # Descent moves against g, ascent (maximize) with it; the moment keeps its own sign convention.
     assert torch.all((a.detach() - stepped[0]) * g < 0) and torch.all((b.detach() - stepped[1]) * g > 0)
-    assert torch.equal(opt.state[a]["exp_avg"], moments[0] - 0.25 * g)
-    assert torch.equal(opt.state[b]["exp_avg"], moments[1] + 0.25 * g)
+    assert torch.equal(opt.state[a]["exp_avg"], moments[0] - 0.25 * late)
+    assert torch.equal(opt.state[b]["exp_avg"], moments[1] + 0.25 * late)
     assert torch.equal(c.detach(), stepped[2]) and c not in opt.state
-    # amsgrad: the denominator is max_exp_avg_sq's (equal to exp_avg_sq after one step): same size as a's move.
-    assert torch.allclose((a.detach() - stepped[0]).abs(), (b.detach() - stepped[1]).abs(), rtol=1e-15, atol=0)
+    # The documented step, with amsgrad's max_exp_avg_sq as v (t = 2: bias corrections of two steps).
+    for x, v, sign in ((a, opt.state[a]["exp_avg_sq"], -1.0), (b, second_b, 1.0)):
+        expected = stepped[0 if x is a else 1] + sign * 0.25 / (1 - 0.5**2) * 0.5 * 0.5 * late / (
+            (v / (1 - 0.75**2)).sqrt() + 1e-8)
+        assert torch.allclose(x.detach(), expected, rtol=1e-15, atol=0)
 
 
 def test_compensate_dispatches_by_optimizer_and_sgd_keeps_its_plain_step():
@@ -355,3 +362,21 @@ def test_compensate_dispatches_by_optimizer_and_sgd_keeps_its_plain_step():
     assert compensation.gradient_weight(adam, StalenessWeights(rule="inverse"), 1) == 0.5
     compensation.compensate(adam, StalenessWeights(), [q], [g], 1)  # rule "none": nothing
     assert torch.equal(q.detach(), torch.zeros(3, dtype=torch.float64))
+    # Under "momentum", Adam reaches retime_adam: the same moves as calling it directly on a twin.
+    (r,) = _params(1)
+    twin = torch.optim.Adam([r], lr=0.25, betas=(0.5, 0.75))
+    q.grad, r.grad = g.clone(), g.clone()
+    adam.step()
+    twin.step()
+    compensation.compensate(adam, weights, [q], [g], 1)
+    compensation.retime_adam(twin, [r], [g], 1)
+    assert torch.equal(q.detach(), r.detach()) and not torch.equal(adam.state[q]["exp_avg"], (1 - 0.5) * g)
+    assert torch.equal(adam.state[q]["exp_avg"], twin.state[r]["exp_avg"])
+    # A subclass of Adam may step otherwise: "auto" gives it "none", and "momentum" is refused.
+
+    class Custom(torch.optim.Adam):
+        pass
+
+    assert compensation.resolve("auto", Custom([r]), owner="abs_sgd", spike=True).rule == "none"
+    with pytest.raises(ValueError, match="not Custom"):
+        compensation.resolve("momentum", Custom([r]), owner="abs_sgd", spike=True)

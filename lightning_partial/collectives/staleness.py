@@ -11,7 +11,7 @@ applies stale gradients (:class:`~lightning_partial.collectives.PartialAllreduce
 weighs each carried gradient by its own staleness before the round's sum;
 ``abs_sgd`` weighs its one-round-late results as a whole):
 
-``"momentum"`` (``abs_sgd``'s default under SGD with momentum)
+``"momentum"`` (``abs_sgd``'s default under SGD with momentum, Adam and AdamW)
     Weight ``mu ** tau``: exactly the share of the gradient that the momentum
     buffer would still hold, had it been applied on time. Applied now, it
     reproduces the on-time trajectory's effect of that gradient from this

@@ -170,8 +170,10 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             :mod:`lightning_partial.collectives.staleness`); under AdamW it recovers
             part of the accuracy the delay costs (measured in docs/staleness.md).
             Gradient clipping sees the gradient as stepped; the compensation follows
-            the clipped one. Refused for other optimizers (NAdam's, RAdam's or
-            RMSprop's steps have no such share).
+            the clipped one. A fit's first step from a fresh optimizer is on time (no
+            step came between its micro-batches and it): fed whole, not compensated.
+            Refused for other optimizers (NAdam's, RAdam's or RMSprop's steps have no
+            such share).
             ``"inverse"``: the result is halved (weight ``1 / (1 + 1)``).
             ``"none"``: every result whole (the paper's rule).
         weight_prediction: ``True`` (default): each micro-batch's gradient is
@@ -413,7 +415,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                      kwargs: dict[str, Any]) -> Any:
         """The micro-batch (closure), its deposit, then one optimizer step per round result now due."""
         params = self._params[index]
-        prediction = self._prediction
+        prediction = self._prediction_in_force()
         if prediction is None:
             output = closure()
         else:
@@ -441,9 +443,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         ``final`` (the end of fit): whatever the last result leaves accumulated is stepped too.
         """
         module = model if isinstance(model, pl.LightningModule) else self.lightning_module
-        # A step's gradient sums rounds applied one round after the micro-batches they sum were computed.
         weights = self._staleness.get(index, StalenessWeights())
-        weight = compensation.gradient_weight(optimizer, weights, 1)
         params = self._params[index]
         accumulator = self._accumulator
         steps = 0
@@ -454,6 +454,11 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             self._record(index, result.stats)
             if not due and not (final and k == len(results) - 1):
                 continue
+            # A step's gradient sums rounds applied one round after the micro-batches they sum were
+            # computed: one optimizer step late, but for the first step of an optimizer without state
+            # (no step came between those micro-batches and this one), which is fresh.
+            staleness = 1 if any(optimizer.state.get(p) for p in params) else 0
+            weight = compensation.gradient_weight(optimizer, weights, staleness)
             for p, g in zip(params, accumulator.take(index)):
                 if p.grad is None:
                     p.grad = g.clone()
@@ -462,14 +467,15 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                 if weight != 1.0:
                     p.grad.mul_(weight)
             _compat.before_optimizer_step(self.precision_plugin, module, optimizer)
-            prediction = self._prediction
+            prediction = self._prediction_in_force()
             before = prediction.begin(index, params) if prediction is not None else None
             optimizer.step()
             steps += 1
-            if weights.spike(1):
+            if weights.spike(staleness):
                 # From the gradients as clipped (weight * g after clipping): the same direction and scale.
                 stepped = [(p, p.grad) for p in params if p.grad is not None]
-                compensation.compensate(optimizer, weights, [p for p, _ in stepped], [g for _, g in stepped], 1)
+                compensation.compensate(optimizer, weights, [p for p, _ in stepped], [g for _, g in stepped],
+                                        staleness)
             if prediction is not None and before is not None:
                 prediction.finish(index, params, before)  # the step's update, spike included
             if not final:

@@ -16,7 +16,8 @@ not known at construction):
   compensation under ``torch.optim.SGD`` with momentum, ``torch.optim.Adam`` and
   ``torch.optim.AdamW`` (every result then acts as much as on time; see
   :func:`compensate`), ``"none"`` otherwise. Measured in
-  ``docs/staleness.md#why-these-defaults``.
+  ``docs/staleness.md#why-these-defaults`` (Adam and AdamW:
+  ``docs/staleness.md#abs_sgd-under-adamw``).
 * ``"momentum"``: the same, but an optimizer without momentum is an error.
 * ``"inverse"``, ``"none"``: as the engine defines them.
 
@@ -36,9 +37,15 @@ from lightning_partial.collectives.staleness import STALENESS_RULES, StalenessWe
 
 STRATEGY_RULES: tuple[str, ...] = ("auto",) + STALENESS_RULES
 
-#: The Adam-like optimizers whose update :func:`retime_adam` knows (``m / (sqrt(v) + eps)``, bias-corrected):
-#: NAdam's and RAdam's steps are other functions of their moments.
+#: The Adam-like optimizers whose update :func:`retime_adam` knows (``m / (sqrt(v) + eps)``, bias-corrected),
+#: matched by exact type: NAdam's and RAdam's steps are other functions of their moments, and a subclass
+#: may change the step.
 ADAM_SPIKE: tuple[type[Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def is_retimed_adam(optimizer: Optimizer) -> bool:
+    """Whether :func:`retime_adam` knows ``optimizer``'s update (``torch.optim.Adam`` or ``AdamW`` itself)."""
+    return type(optimizer) in ADAM_SPIKE
 
 
 def check_rule(rule: object, *, owner: str) -> str:
@@ -102,7 +109,7 @@ def resolve(rule: str, optimizer: Optimizer, *, owner: str, spike: bool = False)
         # "inverse" needs no coefficient: the groups may differ.
         return StalenessWeights(rule="inverse") if has_momentum(optimizer) else StalenessWeights()
     kind, mu, dampening = optimizer_momentum(optimizer)
-    retimed = kind == "sgd" or (kind == "adam" and isinstance(optimizer, ADAM_SPIKE))
+    retimed = kind == "sgd" or (kind == "adam" and is_retimed_adam(optimizer))
     if rule == "auto":
         if retimed:
             return _checked_for_spike(StalenessWeights(rule="momentum", momentum=mu, dampening=dampening), optimizer)
@@ -169,7 +176,7 @@ def gradient_weight(optimizer: Optimizer, weights: StalenessWeights, staleness: 
     moment sees the gradient as it is; :func:`retime_adam` moves the first
     moment's share after the step.
     """
-    if weights.rule == "momentum" and isinstance(optimizer, ADAM_SPIKE):
+    if weights.rule == "momentum" and is_retimed_adam(optimizer):
         return 1.0
     return weights.weight(staleness)
 
@@ -186,7 +193,7 @@ def compensate(optimizer: Optimizer, weights: StalenessWeights, params: Sequence
     spike = weights.spike(staleness)
     if not spike:
         return
-    if isinstance(optimizer, ADAM_SPIKE):
+    if is_retimed_adam(optimizer):
         retime_adam(optimizer, params, grads, staleness)
     else:
         apply_spike(optimizer, params, grads, spike / weights.weight(staleness))
@@ -211,7 +218,11 @@ def retime_adam(optimizer: Optimizer, params: Sequence[Tensor], grads: Sequence[
     (``max_exp_avg_sq`` with ``amsgrad``), which took ``g`` whole: a late gradient's
     scale is no different. Adam's coupled weight decay is of the current weights
     and is not re-timed; AdamW's decoupled decay is not touched. ``maximize``
-    groups: the moment holds ``-g``. A parameter without Adam state is left alone.
+    groups: the moment holds ``-g``. Complex parameters: their real views, as
+    Adam steps them. A parameter without Adam state is left alone. ``tau`` counts
+    the optimizer steps taken since the gradient was computed, this one excluded,
+    so it is at most ``t - 1`` (the caller's to know: ``abs_sgd`` passes 0 for a
+    fresh optimizer's first step, which it then does not compensate).
     """
     # One pass of foreach operations per parameter group (a Python loop per tensor costs more than the
     # arithmetic on a model of many small tensors; abs_sgd calls this after every step).
@@ -220,6 +231,10 @@ def retime_adam(optimizer: Optimizer, params: Sequence[Tensor], grads: Sequence[
     for p, g in zip(params, grads):
         i, state = index_of.get(id(p)), optimizer.state.get(p)
         if i is not None and state and "exp_avg" in state:
+            if torch.is_complex(p):  # Adam steps a complex parameter's real view, its state is complex too
+                state = {k: torch.view_as_real(v) if torch.is_tensor(v) and torch.is_complex(v) else v
+                         for k, v in state.items()}
+                p, g = torch.view_as_real(p), torch.view_as_real(g)
             members.setdefault(i, []).append((p, g, state))
     for i, entries in members.items():
         group = optimizer.param_groups[i]

@@ -44,6 +44,7 @@ from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConf
 from lightning_partial.strategies import compensation
 from lightning_partial.strategies.options import StrategyOptions
 from lightning_partial.strategies.partial import ConfiguredStrategy, StepModel
+from lightning_partial.strategies.prediction import WeightPrediction
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +144,6 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             raise ValueError(f"find_unused_parameters must be a bool, got {find_unused_parameters!r}")
         self.find_unused_parameters = find_unused_parameters
         self._set_weight_prediction(weight_prediction)
-        if self.synchronous:
-            self._prediction = None  # mode="sync": no gradient is ever late, so none is predicted (DDP's steps)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -152,10 +151,14 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         # After the optimizers exist, before any rank trains: a rule the optimizer
         # cannot serve fails here.
         self._staleness = compensation.resolve_all(self.staleness_rule, self.optimizers, owner=self.strategy_name)
-        if self.world_size == 1:
-            # One rank's rounds hold its own gradient, never late: no prediction, so that a fit on one
-            # device takes strategy="auto"'s steps bit for bit (a checkpoint's last update is not needed).
-            self._prediction = None
+
+    @override
+    def _prediction_in_force(self) -> Optional[WeightPrediction]:
+        # mode="sync", and one rank whose rounds hold only its own gradient: no gradient is ever late, so
+        # none is predicted; the steps stay DDP's (on one device strategy="auto"'s, bit for bit).
+        if self.synchronous or self.world_size == 1:
+            return None
+        return self._prediction
 
     @override
     def _build_engine(self, index: int, params: list[torch.nn.Parameter], store: dist.Store) -> PartialAllreduce:
@@ -173,7 +176,7 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
     def _engine_step(self, index: int, optimizer: Optimizer, closure: Callable[[], Any], model: StepModel,
                      kwargs: dict[str, Any]) -> Any:
         """Runs the closure (at the predicted weights), synchronises the gradients, then clipping and the step."""
-        prediction = self._prediction
+        prediction = self._prediction_in_force()
         params = self._params[index]
         # Weight prediction: the gradient is computed at the weights plus the last step's update,
         # where it is applied if it misses its round (most gradients in solo mode), then the

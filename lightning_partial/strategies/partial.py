@@ -172,7 +172,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         ``staleness_rule``: the rule resolved at set-up per optimizer, comma-separated
         (``"auto"`` resolved to ``"inverse"``, ``"momentum"`` or ``"none"``).
         """
-        settings: dict[str, Any] = {"weight_prediction": self._prediction is not None}
+        settings: dict[str, Any] = {"weight_prediction": self._prediction_in_force() is not None}
         if self._staleness:
             settings["staleness_rule"] = ",".join(self._staleness[i].rule for i in sorted(self._staleness))
         return settings
@@ -184,7 +184,14 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         forgotten from one loaded to validate, test or predict) and reset at train
         start: weight prediction's last update here; a subclass adds its own.
         """
-        return [self._prediction] if self._prediction is not None else []
+        prediction = self._prediction_in_force()
+        return [prediction] if prediction is not None else []
+
+    def _prediction_in_force(self) -> Optional[WeightPrediction]:
+        """The weight prediction this fit uses: ``None`` with ``weight_prediction=False``, or where a subclass
+        knows that no gradient is late (then its steps are those without prediction). Read once the
+        world size is known (set-up, checkpoint loading, training)."""
+        return self._prediction
 
     def _set_weight_prediction(self, enabled: object) -> None:
         """A subclass's ``weight_prediction`` option, validated at construction."""

@@ -215,13 +215,13 @@ def run_cases(args: argparse.Namespace) -> None:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(free_port())
 
-    def fit(model: Any, strategy: str, precision: str, accelerator: str = args.accelerator, **kwargs: Any) -> Any:
+    def fit(model: Any, strategy: str, precision: str, **kwargs: Any) -> Any:
         fresh_rendezvous()
         options = dict(max_steps=20, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                        use_distributed_sampler=False)  # the same batches as strategy="auto"
         options.update(kwargs)
-        trainer = L.Trainer(strategy=strategy, accelerator=accelerator, devices=1, precision=precision, **options)
+        trainer = L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=1, precision=precision, **options)
         trainer.fit(model)
         return trainer
 
