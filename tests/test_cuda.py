@@ -47,7 +47,7 @@ Items:
    collective during fit comes from the engine's communication thread; the
    strategy's own collectives (``sync_dist``, ``all_gather``, ``barrier``) run on gloo.
 10. ``test_abs_sgd_adamw_retimes_on_the_device``: ``strategy="abs_sgd"`` with AdamW on one GPU
-    (``32-true``, ``bf16-mixed``): every late result re-timed through Adam's moments on the
+    (``32-true``, ``bf16-mixed``): every step after the first re-timed through Adam's moments on the
     device (``compensation.retime_adam``), the weights finite, the training loss lower. The
     formula's own CUDA checks are ``tests/test_staleness.py``'s ``[cuda]`` variants (``python3 -m pytest -m cuda tests/test_cuda.py tests/test_staleness.py``).
 """
@@ -62,14 +62,13 @@ import os
 import queue as queue_module
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import pytest
 import torch
@@ -1012,16 +1011,15 @@ def test_completion_watch_times_out():
 
 
 # ============================================================ 4, 9: Lightning fits
-@pytest.fixture(scope="module")
-def lightning_fits(tmp_path_factory):
-    """Runs tests/scripts/cuda_fit.py once for every case; returns {case: record}."""
-    out = tmp_path_factory.mktemp("cuda_fit")
+def run_fit_script(out: Path, accelerator: str, cases: Sequence[str], timeout: float) -> dict[str, Any]:
+    """Runs tests/scripts/cuda_fit.py once for ``cases`` (one process); returns {case: record}, a failed record
+    (``ok`` false, with the script's output) for a case that wrote none, a time-out included."""
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    command = [sys.executable, "-m", FIT_SCRIPT, "--out", str(out), "--accelerator", "gpu",
-               "--cases", ",".join(FIT_CASES)]
+    command = [sys.executable, "-m", FIT_SCRIPT, "--out", str(out), "--accelerator", accelerator,
+               "--cases", ",".join(cases)]
     try:
-        proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=420,
+        proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
         tail = (proc.stdout + proc.stderr)[-6000:]
         code = proc.returncode
@@ -1030,11 +1028,17 @@ def lightning_fits(tmp_path_factory):
         tail = f"timed out after {err.timeout}s (killed):\n" + output[0][-3000:] + output[1][-3000:]
         code = None
     records = {}
-    for case in FIT_CASES:
+    for case in cases:
         path = out / f"{case}.json"
         records[case] = json.loads(path.read_text()) if path.exists() else {
             "ok": False, "error": f"no record (exit code {code}); output:\n{tail}"}
     return records
+
+
+@pytest.fixture(scope="module")
+def lightning_fits(tmp_path_factory):
+    """Runs tests/scripts/cuda_fit.py once for every case on the GPU; returns {case: record}."""
+    return run_fit_script(tmp_path_factory.mktemp("cuda_fit"), "gpu", FIT_CASES, timeout=420)
 
 
 def _fit_record(records: dict[str, Any], case: str) -> dict[str, Any]:
@@ -1104,7 +1108,8 @@ def test_nccl_only_on_the_communication_thread(lightning_fits):
 @run_if_cuda
 @pytest.mark.timeout(480)
 def test_abs_sgd_adamw_retimes_on_the_device(lightning_fits):
-    """Item 10: Adam spike compensation on CUDA state, through the strategy (world size 1: every result late)."""
+    """Item 10: Adam spike compensation on CUDA state, through the strategy (world size 1: every result a
+    round late; every step but a fresh optimizer's first is re-timed)."""
     out = _fit_record(lightning_fits, "abs_adamw")
     for precision, run in out["runs"].items():
         assert run["update_rule"]["staleness_rule"] == "momentum", (precision, run["update_rule"])
@@ -1116,24 +1121,10 @@ def test_abs_sgd_adamw_retimes_on_the_device(lightning_fits):
 
 
 @pytest.mark.timeout(240)
-def test_fit_cases_on_the_host():
+def test_fit_cases_on_the_host(tmp_path):
     """Items 4 and 10 on the host (gloo, no GPU): the script's own check, and the CPU suite's guard that
     eager_sgd on one device takes strategy="auto"'s steps (weight prediction is off at world size 1)."""
-    records = {}
-    with tempfile.TemporaryDirectory() as out:
-        env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        try:
-            proc = subprocess.run([sys.executable, "-m", FIT_SCRIPT, "--out", out, "--accelerator", "cpu",
-                                   "--cases", "fp32,abs_adamw"], env=env, cwd=ROOT, capture_output=True, text=True,
-                                  timeout=200, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired as err:
-            output = [o.decode(errors="replace") if isinstance(o, bytes) else (o or "") for o in (err.stdout, err.stderr)]
-            pytest.fail(f"cuda_fit.py on the host timed out after {err.timeout}s:\n{output[0][-3000:]}{output[1][-3000:]}")
-        for case in ("fp32", "abs_adamw"):
-            path = Path(out) / f"{case}.json"
-            assert path.exists(), f"no record of {case} (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}"
-            records[case] = json.loads(path.read_text())
+    records = run_fit_script(tmp_path, "cpu", ("fp32", "abs_adamw"), timeout=200)
     fp32, adamw = _fit_record(records, "fp32"), _fit_record(records, "abs_adamw")
     assert fp32["identical"] and fp32["trained"], f"eager_sgd differs from strategy='auto' by {fp32['max_diff']:.3g}"
     for precision, run in adamw["runs"].items():

@@ -7,7 +7,7 @@ Cases (``--cases``, comma-separated, run in this order):
   records whether the final weights are bit-identical.
 * ``majority``: ``strategy="eager_sgd_majority"`` at world size 1; records what it raised.
 * ``abs_adamw``: 20 rounds of ``strategy="abs_sgd"`` with AdamW at world size 1 (every
-  result a round late, so every step is re-timed through Adam's moments:
+  result a round late, so every step but the first is re-timed through Adam's moments:
   ``compensation.retime_adam``) in ``32-true`` and ``bf16-mixed``; records the update
   rule, the device of every re-timed parameter, gradient and moment, and the
   training loss before and after. (Which micro-batches share a round depends on
