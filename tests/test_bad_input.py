@@ -52,6 +52,7 @@ CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("eager_sgd float staleness", lambda: EagerSGDStrategy(max_staleness=1.5), r"max_staleness"),
     ("eager_sgd weight_prediction not a bool", lambda: EagerSGDStrategy(weight_prediction="yes"),
      r"eager_sgd: weight_prediction must be a bool"),
+    ("eager_sgd overlap not a bool", lambda: EagerSGDStrategy(overlap=1), r"eager_sgd: overlap must be a bool"),
     ("eager_sgd sync_every 0", lambda: EagerSGDStrategy(sync_every=0), r"sync_every"),
     ("eager_sgd bool sync_every", lambda: EagerSGDStrategy(sync_every=True), r"sync_every"),
     ("eager_sgd unknown staleness rule", lambda: EagerSGDStrategy(staleness_rule="linear"), r"staleness_rule.*inverse"),

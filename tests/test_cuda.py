@@ -96,7 +96,7 @@ MEMORY_WARMUP = 5
 
 ROOT = Path(__file__).resolve().parent.parent
 FIT_SCRIPT = "tests.scripts.cuda_fit"  # run as `python -m` from the repository root
-FIT_CASES = ("fp32", "bf16", "majority", "invariant", "abs_adamw")
+FIT_CASES = ("fp32", "bf16", "majority", "invariant", "abs_adamw", "overlap")
 
 
 def run_if_cuda(test: Callable) -> Callable:
@@ -1120,11 +1120,33 @@ def test_abs_sgd_adamw_retimes_on_the_device(lightning_fits):
         assert run["loss_after"] < run["loss_before"], (precision, run["loss_before"], run["loss_after"])
 
 
+def assert_overlap_record(out: dict[str, Any]) -> None:
+    """eager_sgd's overlap at world size 1: SGD momentum with every gradient applied one step late and re-timed
+    (spike compensation), bit for bit against the loop written out by hand."""
+    rule = out["update_rule"]
+    assert rule["overlap"] is True and rule["weight_prediction"] is False and rule["overlap_retiming"] == "momentum"
+    assert out["global_step"] == 20
+    # Step 0 applies nothing; step r the round of step r - 1; round 19 at the end of fit, then the flush (20).
+    assert out["applied_in_loop"] == list(range(19)) and out["last_round"] == 20, out
+    assert out["identical"], f"overlap differs from re-timed one-step-late SGD by {out['max_diff']:.3g}"
+
+
+@run_if_cuda
+@pytest.mark.timeout(480)
+def test_overlap_on_the_device(lightning_fits):
+    """eager_sgd's overlap on one GPU: each round's result is collected (and handed to the training stream)
+    a step after the round ran; the fit equals the same delayed-gradient SGD loop written by hand."""
+    out = _fit_record(lightning_fits, "overlap")
+    assert out["engine_device"].startswith("cuda"), out
+    assert_overlap_record(out)
+
+
 @pytest.mark.timeout(240)
 def test_fit_cases_on_the_host(tmp_path):
     """Items 4 and 10 on the host (gloo, no GPU): the script's own check, and the CPU suite's guard that
     eager_sgd on one device takes strategy="auto"'s steps (weight prediction is off at world size 1)."""
-    records = run_fit_script(tmp_path, "cpu", ("fp32", "abs_adamw"), timeout=200)
+    records = run_fit_script(tmp_path, "cpu", ("fp32", "abs_adamw", "overlap"), timeout=200)
+    assert_overlap_record(_fit_record(records, "overlap"))
     fp32, adamw = _fit_record(records, "fp32"), _fit_record(records, "abs_adamw")
     assert fp32["identical"] and fp32["trained"], f"eager_sgd differs from strategy='auto' by {fp32['max_diff']:.3g}"
     for precision, run in adamw["runs"].items():

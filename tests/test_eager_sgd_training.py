@@ -142,6 +142,39 @@ def test_resume_from_a_mid_run_checkpoint_loses_no_carried_gradient(tmp_path):
     assert second[0]["final"]["w"] == want
 
 
+OVERLAP = json.dumps({"overlap": True})
+
+
+def test_overlap_applies_every_gradient_exactly_once(tmp_path):
+    """overlap=True: each step applies the previous step's round (the first step nothing, the last round at the
+    end of fit); with accumulation, every micro-batch's gradient still lands exactly once."""
+    records = run(tmp_path, "--strategy", "eager_sgd", "--accumulate", "2", "--strategy-kw", OVERLAP)
+    assert_identical_replicas(records)
+    want = expected(records[0]["w0"]["w"], computed(records), lr=records[0]["lr"], world=4, scale=1 / 2)
+    assert records[0]["final"]["w"] == want
+    assert all(r["global_step"] == 12 for r in records)
+
+
+def test_overlap_resume_applies_the_round_in_flight_at_the_save(tmp_path):
+    """The checkpoint takes the round in flight (every rank, before the gather): its result is in the file,
+    and the resumed fit's first step applies it; nothing is lost or applied twice."""
+    first = run(tmp_path / "first", "--strategy", "eager_sgd", "--steps", "10", "--save-at", "6",
+                "--strategy-kw", OVERLAP)
+    checkpoint = torch.load(tmp_path / "first" / "mid.ckpt", weights_only=False)
+    assert {s["step"] for s in checkpoint[CHECKPOINT_KEY]["engines"][0]} == {6}
+    from lightning_partial.strategies.overlap import IN_FLIGHT_KEY
+
+    held = checkpoint[IN_FLIGHT_KEY][0]
+    assert any(t.abs().sum() > 0 for t in held), "round 5's result, not yet applied at the save"
+    second = run(tmp_path / "second", "--strategy", "eager_sgd", "--steps", "10", "--resume",
+                 str(tmp_path / "first" / "mid.ckpt"), "--strategy-kw", OVERLAP)
+    assert_identical_replicas(second)
+    total = computed(first, before=6) + computed(second)
+    assert second[0]["final"]["w"] == expected(first[0]["w0"]["w"], total, lr=first[0]["lr"], world=4)
+    # The uninterrupted fit lands on the same closed form.
+    assert first[0]["final"]["w"] == expected(first[0]["w0"]["w"], computed(first), lr=first[0]["lr"], world=4)
+
+
 def test_16_mixed_is_refused_with_a_clear_error():
     from lightning.pytorch.plugins.precision import MixedPrecision
 

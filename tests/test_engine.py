@@ -158,6 +158,49 @@ def test_conservation_with_carry(kw):
         assert any(r.stats.max_staleness > 0 for r in results)
 
 
+@pytest.mark.parametrize("kw", [dict(mode="solo"), dict(mode="majority"), dict(mode="sync")], ids=lambda kw: kw["mode"])
+def test_submit_and_collect_apart_conserve_and_agree(kw):
+    """Overlap (eager_sgd's): step r submits round r, then collects round r - 1. Every round is collected once,
+    in order; the results are identical on every rank and sum exactly to what arrived."""
+    steps = 120
+
+    def fn(rank: int, store: dist.Store):
+        engine = PartialAllreduce(config(late="carry", normalize="sum", max_staleness=2, **kw), store=store,
+                                  rank=rank, world_size=P, like=torch.zeros(5, dtype=torch.float64))
+        engine.start()
+        rng = random.Random(2000 + rank)
+        sent, results, previous = [], [], None
+        try:
+            for step in range(steps):
+                random_delay(rng, scale=0.004 if rank == P - 1 else 0.001)  # rank 3 slower: the others run ahead
+                g = integer_grad(rank, step)
+                sent.append(g.clone())
+                q = engine.submit(g)
+                assert q == step and engine.uncollected[-1] == q
+                if previous is not None:
+                    with pytest.raises(ValueError, match="collect them in that order"):
+                        engine.collect(q)  # round r - 1 comes first
+                    results.append(engine.collect(previous))
+                previous = q
+            with pytest.raises(RuntimeError, match=r"not collected \(\[119\]\): collect them first"):
+                engine.flush()
+            results.append(engine.collect(previous))
+            results.append(engine.flush())
+            assert engine.state_dict()["pending"] == []
+        finally:
+            engine.close()
+        return sent, results
+
+    per_rank = run_threads(P, fn)
+    assert_identical([results for _, results in per_rank])
+    results = per_rank[0][1]
+    assert [r.round_index for r in results] == list(range(steps + 1))
+    assert torch.equal(sum(r.tensors[0] for r in results), sum(g for sent, _ in per_rank for g in sent))
+    assert sum(r.stats.contributions for r in results) == P * steps
+    # A round holds no gradient of a later step (submitted before this rank's thread took the round).
+    assert all(s is None or s >= 0 for r in results for s in r.stats.staleness), "a deposit ran ahead of its round"
+
+
 def test_drop_policy_accounts_for_every_gradient():
     """late='drop' discards late gradients, but every one is counted: applied + dropped = arrived."""
     per_rank = train_loop(

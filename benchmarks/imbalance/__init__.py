@@ -38,7 +38,11 @@ for 3 of the 4 ranks); weight prediction off (the strategy's default is on):
 ``eager_sgd_s3_imbalanced``, ``eager_sgd_s4_imbalanced`` (``max_staleness=3``, ``4``) and
 ``eager_sgd_unbounded_rule_none_imbalanced``; ``wagma_sgd_no_scaling_imbalanced`` and
 ``ds_sync_no_scaling_imbalanced`` (``adaptive_scaling="none"``: meaningful with
-``--optimizer adamw``, where the default rescales the local Adam steps). The strategy's
+``--optimizer adamw``, where the default rescales the local Adam steps); overlapped rounds
+(``overlap=True``, ``docs/staleness.md#overlapped-rounds``): ``eager_sgd_overlap_imbalanced``
+(re-timed), ``eager_sgd_overlap_inverse_imbalanced`` (rule ``"inverse"``: not re-timed),
+``eager_sgd_overlap_unbounded_imbalanced``, ``eager_sgd_overlap_s4_imbalanced``,
+``eager_sgd_overlap_balanced`` and ``eager_sgd_backup_overlap_imbalanced``. The strategy's
 default rule is ``"auto"``: ``"inverse"`` under momentum. ``--optimizer adamw``
 trains every configuration with AdamW (``betas=(--momentum, 0.999)``) instead of SGD.
 

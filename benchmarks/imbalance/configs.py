@@ -77,6 +77,16 @@ CONFIGS: dict[str, Config] = {
                (("mode", "quorum"), ("backup_workers", 1), ("weight_prediction", False)), default=False),
         # One backup worker: a round waits for P - 1 arrivals, the last rank's gradient is carried.
         Config("eager_sgd_backup_imbalanced", "eager_sgd_backup", True, "eager-SGD, 1 backup worker", default=False),
+        # Overlapped rounds: step r applies round r - 1's result; the round runs during step r. Under
+        # momentum the step's delay is re-timed ("auto"); rule "inverse" leaves it as it is.
+        _study("eager_sgd_overlap_imbalanced", ("overlap", True)),
+        _study("eager_sgd_overlap_inverse_imbalanced", ("overlap", True), ("staleness_rule", "inverse")),
+        _study("eager_sgd_overlap_unbounded_imbalanced", ("overlap", True), ("max_staleness", None)),
+        _study("eager_sgd_overlap_s4_imbalanced", ("overlap", True), ("max_staleness", 4)),
+        Config("eager_sgd_overlap_balanced", "eager_sgd", False, "eager-SGD solo, overlap=True",
+               (("overlap", True),), default=False),
+        Config("eager_sgd_backup_overlap_imbalanced", "eager_sgd", True, "eager-SGD, 1 backup worker, overlap=True",
+               (("mode", "quorum"), ("backup_workers", 1), ("overlap", True)), default=False),
         Config("wagma_sgd_imbalanced", "wagma_sgd", True, "WAGMA-SGD (S=2, tau=10)"),
         Config("ds_sync_imbalanced", "ds_sync", True, "DS-Sync (G=2, max_staleness=4)"),
         # Adaptive scaling (the default with Adam-family optimizers; nothing under SGD) off.

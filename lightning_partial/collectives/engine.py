@@ -7,7 +7,11 @@ Threads and collectives (the contract):
   end. It deposits its gradient in the send buffer, counts its arrival in the
   store and, if its arrival meets the round's activation rule, activates the
   round. It then blocks only until the result of *its* step's round is there.
-  It never issues a collective.
+  It never issues a collective. :meth:`~PartialAllreduce.arrive` is the two
+  halves in one call: :meth:`~PartialAllreduce.submit` (the deposit, the
+  counting and the activation) and :meth:`~PartialAllreduce.collect` (the wait
+  for the result); a caller that overlaps a round with its next step's
+  computation calls them apart (``eager_sgd``'s ``overlap``).
 * The **communication thread** (one per engine) runs rounds ``0, 1, 2, ...`` in
   order, each exactly once: it waits in the store until the round is
   activated, takes whatever the send buffer holds at that moment (the fresh
@@ -42,7 +46,7 @@ import logging
 import random
 import threading
 import time
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -67,6 +71,15 @@ Tensors = Union[Tensor, Sequence[Tensor]]
 
 def _is_plain_int(dtype: torch.dtype) -> bool:
     return dtype in (torch.int32, torch.int64)
+
+
+class _Submitted(NamedTuple):
+    """A round this rank submitted and has not collected (caller's thread only)."""
+
+    started: float  # perf_counter() as the submission began
+    arrived_at: float  # monotonic() as the deposit was in
+    initiator: int  # the majority initiator drawn for the round
+    arrived: object  # the arrivals this rank saw in the store (int), "?" where it did not count
 
 
 class PartialAllreduce(RoundRunner):
@@ -201,7 +214,9 @@ class PartialAllreduce(RoundRunner):
         self._stop_requested = False
 
         self._initiators = random.Random(config.seed)
-        self._arrivals_seen: tuple[int, object] = (-1, "?")  # (step, count): for a timeout's message
+        # Per round submitted and not collected: when its submission started, when it arrived,
+        # the initiator drawn for it and the arrivals it saw (for its stats and a time-out's message).
+        self._submitted: dict[int, _Submitted] = {}
         self._first_round = 0
         self._state = "new"  # new -> running -> flushed -> closed
         self._thread: Optional[threading.Thread] = None
@@ -263,9 +278,44 @@ class PartialAllreduce(RoundRunner):
         Blocks only until this step's round has completed: if another rank already
         activated it, that is the time of the collective itself; if not, until the
         activation rule is met (never, in ``solo`` mode, since this arrival meets it).
+        ``arrive(t)`` is ``collect(submit(t))``.
         """
         self._check_running("arrive")
         return self._arrive(self._as_list(tensors), flush=False)
+
+    def submit(self, tensors: Tensors) -> int:
+        """Contributes this step's gradient, activates its round where the rule says so; returns the round.
+
+        Does not wait for the round: its collectives run on the communication
+        thread while the caller goes on (computes the next step), and
+        :meth:`collect` returns its result later. Every submitted round must be
+        collected, in round order, before :meth:`flush`.
+        """
+        self._check_running("submit")
+        return self._submit(self._as_list(tensors), flush=False)
+
+    def collect(self, round_index: int) -> RoundResult:
+        """The result of round ``round_index``, submitted by this rank and not yet collected.
+
+        Blocks until the round has completed, bounded by ``config.timeout`` (a
+        :class:`PartialCollectiveTimeout` naming the rank and the round). Rounds
+        are collected in the order they were submitted.
+        """
+        self._check_running("collect")
+        with self._cond:
+            submitted = sorted(self._submitted)
+        if not submitted or round_index != submitted[0]:
+            raise ValueError(
+                f"rank {self.rank}: collect({round_index}): the rounds submitted and not collected are {submitted}; "
+                "collect them in that order"
+            )
+        return self._collect(round_index)
+
+    @property
+    def uncollected(self) -> list[int]:
+        """The rounds this rank submitted and has not collected yet, in order."""
+        with self._cond:
+            return sorted(self._submitted)
 
     def flush(self, tensors: Optional[Tensors] = None) -> RoundResult:
         """The final, fully-synchronous round: every rank's pending gradients are summed.
@@ -275,6 +325,11 @@ class PartialAllreduce(RoundRunner):
         ``tensors``, if given, are a last fresh contribution.
         """
         self._check_running("flush")
+        uncollected = self.uncollected
+        if uncollected:
+            raise RuntimeError(
+                f"rank {self.rank}: flush() with submitted rounds not collected ({uncollected}): collect them first"
+            )
         return self._flush(tensors)
 
     def _flush(self, tensors: Optional[Tensors], *, step: Optional[int] = None) -> RoundResult:
@@ -469,6 +524,11 @@ class PartialAllreduce(RoundRunner):
             )
 
     def _arrive(self, tensors: Optional[list[Tensor]], *, flush: bool) -> RoundResult:
+        q = self._submit(tensors, flush=flush)
+        return self._collect(q, since_submit=True)
+
+    def _submit(self, tensors: Optional[list[Tensor]], *, flush: bool) -> int:
+        """Caller's thread: deposits ``tensors`` for round ``q`` (the next step), counts the arrival, activates."""
         q = self._step
         deposit = None
         if tensors is not None:
@@ -512,16 +572,29 @@ class PartialAllreduce(RoundRunner):
             # flush makes q synchronous, so wake it (the other ranks flush at q too).
             # After the counting above, so that the thread's last collection sees it.
             control.wake(q)
-        self._arrivals_seen = (q, arrived if arrived is not None else "?")
+        with self._cond:
+            self._submitted[q] = _Submitted(started, arrived_at, initiator, arrived if arrived is not None else "?")
+        return q
 
-        result = self._wait_result(q)
+    def _collect(self, q: int, *, since_submit: bool = False) -> RoundResult:
+        """Caller's thread: waits for round ``q`` (submitted here) and returns its result with this rank's stats.
+
+        ``since_submit``: the stats' ``wait_time`` counts from the submission (``arrive``: the
+        store's counting included, as before the split); else from now, the time spent blocked here.
+        """
+        with self._cond:
+            info = self._submitted[q]
+        started = info.started if since_submit else time.perf_counter()
+        result = self._wait_result(q, info)
+        with self._cond:
+            del self._submitted[q]
         if result.stats.stop:
             self._state = "stopped"  # the communication thread has ended after this round
         stats = dataclasses.replace(
             result.stats,
             wait_time=time.perf_counter() - started,
-            arrived_at=arrived_at,
-            initiator=initiator if self.config.mode == "majority" and not result.stats.synchronous else None,
+            arrived_at=info.arrived_at,
+            initiator=info.initiator if self.config.mode == "majority" and not result.stats.synchronous else None,
         )
         return dataclasses.replace(result, stats=stats)
 
@@ -530,19 +603,18 @@ class PartialAllreduce(RoundRunner):
         s = self.config.max_staleness
         return 2 if s is not None and round_index - s >= self._first_round else 1
 
-    def _wait_result(self, q: int) -> RoundResult:
+    def _wait_result(self, q: int, info: "_Submitted") -> RoundResult:
         def done() -> bool:
             self._raise_if_failed(q)
             if self._closing:
                 raise EngineClosedError(f"close() was called while waiting for round {q}", rank=self.rank, round_index=q)
             return q in self._results
 
-        seen, arrived = self._arrivals_seen
         self._wait_on_cond(
             done,
             q,
             f"round {q} did not complete (mode={self.config.mode}, "
-            f"{arrived if seen == q else '?'} of {self.world_size} ranks had arrived at this step "
+            f"{info.arrived} of {self.world_size} ranks had arrived at this step "
             "when this rank did); is a rank dead or stalled?",
         )
         return self._take_result(q)

@@ -122,7 +122,10 @@ class RoundRunner(EngineGroups):
                 return None
             self._waiting_round = None
             self._in_round = True
-            deposits, self._pending = self._pending, []
+            # A deposit of a later step stays for its own round: a caller that submits without
+            # collecting (overlap) may deposit step r + 1 before this thread has taken round r.
+            deposits = [d for d in self._pending if d.step <= r]
+            self._pending = [d for d in self._pending if d.step > r]
             self._snapshotted = r
             flush = self._flush_round == r
             # Activated through the store: every rank's thread enters this round's collectives

@@ -11,7 +11,10 @@ Why the cut is consistent: every rank saves right after its optimizer step
 rank's communication thread to have completed round ``q - 1``. No rank arrives at
 round ``q`` before the barrier that follows the save, so no round ``>= q`` is
 active anywhere: the saved pending gradients are exactly those that no applied
-round contains.
+round contains. With ``eager_sgd``'s ``overlap`` a step's round is still in flight
+when the step ends: every rank takes its result first (before the gather), so
+the same holds, and that result (identical on every rank) is saved beside the
+weights and applied by the resumed fit's first step.
 
 Checkpoint layout (under ``checkpoint[CHECKPOINT_KEY]``)::
 

@@ -19,6 +19,11 @@ Specific to eager-SGD:
   every parameter's, is in the round, which makes every parameter used.
   Without the option (default) a missing gradient is sent and applied as
   zeros.
+* With ``overlap=True`` (main thread): the step hands its gradient over with
+  ``submit`` (no wait) and applies the previous step's round (``collect``), whose
+  collectives ran on the communication thread while this step computed. A
+  checkpoint first takes the round in flight (``InFlight.settle``), so the cut
+  stays consistent, and saves its result for the next step.
 * End of fit (main thread): ``flush()`` runs the final synchronous round on
   every engine; its result (carried gradients) is applied with one more
   optimizer step, so nothing computed is lost and all replicas end identical.
@@ -39,11 +44,14 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.types import _PATH
 from lightning_partial import _compat
-from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundResult, RoundStats
+from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundStats
+from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.strategies import compensation
 from lightning_partial.strategies.options import StrategyOptions
-from lightning_partial.strategies.partial import ConfiguredStrategy, StepModel
+from lightning_partial.strategies.overlap import InFlight
+from lightning_partial.strategies.partial import ConfiguredStrategy, FitState, StepModel
 from lightning_partial.strategies.prediction import WeightPrediction
 
 log = logging.getLogger(__name__)
@@ -88,6 +96,18 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             weights (the paper's rule). Never in ``mode="sync"`` or at world size 1
             (nothing is late: the steps stay DDP's, and ``strategy="auto"``'s). The mechanism is
             :mod:`~lightning_partial.strategies.prediction`'s, shared with ``abs_sgd``.
+        overlap: ``False`` (default): a step waits for its own round after backward (the
+            paper's rule). ``True``: step ``r`` submits its gradient to round ``r`` and applies
+            round ``r - 1``'s result, whose collectives ran while step ``r`` computed: the
+            round leaves the step's critical path, and every result is applied one step
+            after it was computed (weight prediction, when on, computes each gradient at
+            the weights it is applied to; under ``staleness_rule="auto"`` or ``"momentum"``
+            with SGD momentum, Adam or AdamW that step is re-timed as ``abs_sgd``'s: spike
+            compensation). A fit's first step then applies nothing; the last round is
+            applied at the end of fit, before the flush. Off by default: it buys
+            throughput where a round's latency is exposed (many cores per rank, GPUs), at
+            some accuracy under momentum (measured in ``docs/staleness.md``). See
+            :mod:`~lightning_partial.strategies.overlap` and ``docs/staleness.md#overlapped-rounds``.
         find_unused_parameters: parameters that no contribution of a round used
             keep ``grad = None`` (untouched by the optimizer, as under DDP with the
             option of that name); costs one element per parameter in every round
@@ -121,6 +141,7 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         max_staleness: Optional[int] = 2,
         staleness_rule: str = "auto",
         weight_prediction: bool = True,
+        overlap: bool = False,
         find_unused_parameters: bool = False,
         seed: int = 0,
         **kwargs: Unpack[StrategyOptions],
@@ -143,6 +164,15 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         if not isinstance(find_unused_parameters, bool):
             raise ValueError(f"find_unused_parameters must be a bool, got {find_unused_parameters!r}")
         self.find_unused_parameters = find_unused_parameters
+        if not isinstance(overlap, bool):
+            raise ValueError(f"eager_sgd: overlap must be a bool, got {overlap!r}")
+        self.overlap = overlap
+        # Created here (no thread, no group: picklable); reset at every train start.
+        self._in_flight: Optional[InFlight] = InFlight() if overlap else None
+        # With overlap, per optimizer: the re-timing of the step's delay (resolved at set-up), and the
+        # delay of the result this step feeds the optimizer (0: on time, a fresh optimizer's first).
+        self._retiming: dict[int, StalenessWeights] = {}
+        self._step_delay: dict[int, int] = {}
         self._set_weight_prediction(weight_prediction)
 
     @override
@@ -151,14 +181,36 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         # After the optimizers exist, before any rank trains: a rule the optimizer
         # cannot serve fails here.
         self._staleness = compensation.resolve_all(self.staleness_rule, self.optimizers, owner=self.strategy_name)
+        # Overlap applies every result one step late, as abs_sgd does: under "auto" and "momentum" that
+        # step is re-timed as abs_sgd's are (spike compensation: SGD momentum, Adam, AdamW).
+        self._retiming = {}
+        if self.overlap and self.staleness_rule in ("auto", "momentum"):
+            self._retiming = compensation.resolve_all(self.staleness_rule, self.optimizers,
+                                                      owner=self.strategy_name, spike=True)
 
     @override
     def _prediction_in_force(self) -> Optional[WeightPrediction]:
         # mode="sync", and one rank whose rounds hold only its own gradient: no gradient is ever late, so
         # none is predicted; the steps stay DDP's (on one device strategy="auto"'s, bit for bit).
-        if self.synchronous or self.world_size == 1:
+        # With overlap every gradient is applied a step late, whatever the mode and world size.
+        if not self.overlap and (self.synchronous or self.world_size == 1):
             return None
         return self._prediction
+
+    @override
+    def _fit_states(self) -> list[FitState]:
+        states = super()._fit_states()
+        return states + [self._in_flight] if self._in_flight is not None else states
+
+    @override
+    def update_rule(self) -> dict[str, Any]:
+        """:meth:`PartialStrategy.update_rule`, ``overlap`` (bool) and, with it, ``overlap_retiming``: the rule
+        that re-times each step's one-step delay, per optimizer, comma-separated (``"none"``: not re-timed)."""
+        settings = {**super().update_rule(), "overlap": self.overlap}
+        if self.overlap:
+            settings["overlap_retiming"] = ",".join(
+                self._retiming.get(i, StalenessWeights()).rule for i in range(len(self.optimizers)))
+        return settings
 
     @override
     def _build_engine(self, index: int, params: list[torch.nn.Parameter], store: dist.Store) -> PartialAllreduce:
@@ -192,9 +244,34 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             return result
 
         output = self._lightning_step(optimizer, closure_then_sync, model, kwargs)
+        self._compensate_delay(index)
         if prediction is not None and before is not None:
-            prediction.finish(index, params, before)
+            prediction.finish(index, params, before)  # the step's update, spike included
         return output
+
+    def _weigh_delayed(self, index: int) -> None:
+        """Overlap, after a landed result is in ``p.grad``, before clipping: its weight for its one-step delay."""
+        weights = self._retiming.get(index)
+        if weights is None or not weights.active:
+            return
+        optimizer, params = self.optimizers[index], self._params[index]
+        # One step late, but for a fresh optimizer's first step: no step came between the
+        # gradient and this one (the fit's first step applied nothing), so it is on time.
+        delay = 1 if any(optimizer.state.get(p) for p in params) else 0
+        weight = compensation.gradient_weight(optimizer, weights, delay)
+        if weight != 1.0:
+            torch._foreach_mul_([p.grad for p in params if p.grad is not None], weight)
+        self._step_delay[index] = delay
+
+    def _compensate_delay(self, index: int) -> None:
+        """Overlap, after ``optimizer.step()``: the spike compensation of the step's delay (from ``p.grad`` as
+        clipped), as abs_sgd's (:func:`~lightning_partial.strategies.compensation.compensate`)."""
+        delay = self._step_delay.pop(index, 0)
+        weights = self._retiming.get(index)
+        if not delay or weights is None or not weights.spike(delay):
+            return
+        stepped = [p for p in self._params[index] if p.grad is not None]
+        compensation.compensate(self.optimizers[index], weights, stepped, [p.grad for p in stepped], delay)
 
     @staticmethod
     def _presence(params: list[torch.nn.Parameter], present: list[bool]) -> torch.Tensor:
@@ -202,24 +279,45 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         return torch.tensor(present, dtype=params[0].dtype).to(params[0].device, non_blocking=True)
 
     def _synchronise(self, index: int) -> None:
+        """Main thread, after the closure's backward: the step's gradient to its round, a round's result into
+        ``p.grad`` (this step's round; with ``overlap`` the previous step's, or none at a fit's first step)."""
         params = self._params[index]
+        engine = self._engines[index]
         present = [p.grad is not None for p in params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         extra = [self._presence(params, present)] if self.find_unused_parameters else []
-        result = self._engines[index].arrive([*grads, *extra])
-        # This rank's fresh gradient with every parameter's in the round: every parameter is
-        # used, on every rank alike (the header says so to all), without reading the sums.
-        self._set_gradients(params, result, known_used=all(present) and self.global_rank in result.stats.fresh)
-        result.release()
-        self._record(index, result.stats)
+        if self._in_flight is None:
+            result = engine.arrive([*grads, *extra])
+            # This rank's fresh gradient with every parameter's in the round: every parameter is
+            # used, on every rank alike (the header says so to all), without reading the sums.
+            self._set_gradients(params, result.tensors,
+                                known_used=all(present) and self.global_rank in result.stats.fresh)
+            result.release()
+            self._record(index, result.stats)
+            return
+        # Submitted before the earlier round is collected: this round's collectives may start
+        # (another rank's arrival may activate it) while this rank waits for, and applies, that one.
+        round_index = engine.submit([*grads, *extra])
+        landed = self._in_flight.take(index, self.global_rank)
+        self._in_flight.submitted(index, engine, round_index, all_present=all(present))
+        # The step's own gradient is in the engine's send buffer (a copy): p.grad takes the landed round's.
+        if landed is None:
+            for p in params:
+                p.grad = None  # a fit's first step: no round is complete yet, the optimizer sees no gradient
+            return
+        self._set_gradients(params, landed.tensors, known_used=landed.known_used)
+        landed.release()
+        self._weigh_delayed(index)
+        if landed.result is not None:
+            self._record(index, landed.result.stats)
 
-    def _set_gradients(self, params: list[torch.nn.Parameter], result: RoundResult, *, known_used: bool) -> None:
-        """The round's gradients into ``p.grad``; with ``find_unused_parameters``, ``None`` for a parameter
+    def _set_gradients(self, params: list[torch.nn.Parameter], values: list[torch.Tensor], *,
+                       known_used: bool) -> None:
+        """A round's gradients into ``p.grad``; with ``find_unused_parameters``, ``None`` for a parameter
         no contribution of the round used.
 
         ``known_used``: every parameter is known to be used (the presence sums are not read).
         """
-        values = result.tensors
         used = [True] * len(params)
         if self.find_unused_parameters:
             *values, presence = values
@@ -243,14 +341,42 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         the fit loop's last logging: a value ``self.log``-ged from those hooks
         for this step reaches no logger.
         """
+        if self._in_flight is not None:
+            # Overlap: the last step's round, not applied yet, gets its own step first.
+            landed = self._in_flight.take(index, self.global_rank)
+            if landed is not None:
+                self._extra_step(index, landed.tensors, delayed=True)
+                landed.release()
+                if landed.result is not None:
+                    self._record(index, landed.result.stats)
         result = engine.flush()
         if result.stats.contributions:
-            optimizer = self.optimizers[index]
-            for p in self._params[index]:
-                p.grad = None
-            self._set_gradients(self._params[index], result, known_used=False)
-            _compat.before_optimizer_step(self.precision_plugin, self.lightning_module, optimizer)
-            optimizer.step()
-            optimizer.zero_grad()
+            self._extra_step(index, result.tensors)
         result.release()
         return result.stats
+
+    def _extra_step(self, index: int, values: list[torch.Tensor], *, delayed: bool = False) -> None:
+        """An optimizer step after the fit loop, through the hooks and clipping every step goes through.
+
+        ``delayed``: the overlap's last landed round, re-timed as every step's.
+        """
+        optimizer = self.optimizers[index]
+        for p in self._params[index]:
+            p.grad = None
+        self._set_gradients(self._params[index], values, known_used=False)
+        if delayed:
+            self._weigh_delayed(index)
+        _compat.before_optimizer_step(self.precision_plugin, self.lightning_module, optimizer)
+        optimizer.step()
+        self._compensate_delay(index)
+        optimizer.zero_grad()
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """With ``overlap``: the round in flight is taken first (every rank, before the engines' states are
+        gathered), so that the cut is consistent; its result is saved and applied by the next step."""
+        if self._in_flight is not None:
+            self._in_flight.settle(self.global_rank)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
