@@ -53,6 +53,8 @@ CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("eager_sgd weight_prediction not a bool", lambda: EagerSGDStrategy(weight_prediction="yes"),
      r"eager_sgd: weight_prediction must be a bool"),
     ("eager_sgd overlap not a bool", lambda: EagerSGDStrategy(overlap=1), r"eager_sgd: overlap must be a bool"),
+    ("eager_sgd overlap in sync mode", lambda: EagerSGDStrategy(mode="sync", overlap=True),
+     r"overlap=True is not available with mode='sync'"),
     ("eager_sgd sync_every 0", lambda: EagerSGDStrategy(sync_every=0), r"sync_every"),
     ("eager_sgd bool sync_every", lambda: EagerSGDStrategy(sync_every=True), r"sync_every"),
     ("eager_sgd unknown staleness rule", lambda: EagerSGDStrategy(staleness_rule="linear"), r"staleness_rule.*inverse"),

@@ -100,10 +100,10 @@ def test_sync_mode_reaches_the_same_weights_as_ddp(tmp_path):
         torch.testing.assert_close(ours[key], value, rtol=0, atol=1e-6)
 
 
-def start_fit(out: Path) -> subprocess.Popen:
+def start_fit(out: Path, *extra: str) -> subprocess.Popen:
     """A long fit (one 5 ms straggler per step) that a test then signals."""
     return subprocess.Popen(
-        fit_command(out, "--steps", "100000", "--straggle-ms", "5"),
+        fit_command(out, "--steps", "100000", "--straggle-ms", "5", *extra),
         env=FIT_ENV,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -137,6 +137,21 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, victim)
     out = tmp_path / "run"
     proc = start_fit(out)
     stderr = signal_rank_when_running(proc, out, victim, signal.SIGTERM)
+    assert proc.returncode == 0, stderr[-3000:]
+    steps = {r: int((out / f"stopped{r}").read_text()) for r in range(4)}
+    assert len(set(steps.values())) == 1, steps
+    assert_identical(out)
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_with_overlap_stops_every_rank_at_the_same_step(tmp_path):
+    """overlap=True: every rank has submitted the round after the stop round when it learns of the stop; that
+    round never runs, and every rank still stops at the same step with identical replicas."""
+    import signal
+
+    out = tmp_path / "run"
+    proc = start_fit(out, "--strategy-kw", '{"overlap": true}')
+    stderr = signal_rank_when_running(proc, out, 1, signal.SIGTERM)
     assert proc.returncode == 0, stderr[-3000:]
     steps = {r: int((out / f"stopped{r}").read_text()) for r in range(4)}
     assert len(set(steps.values())) == 1, steps
@@ -196,19 +211,28 @@ def test_globally_unused_parameters_stay_untouched_as_under_ddp(tmp_path):
     weights (its grad stays None, so neither decay nor momentum moves it), a layer only rank 0 uses on some
     batches is trained, and the replicas end bit-identical; the same holds for DDP. eager_sgd's final flush
     step runs the on_before_optimizer_step hooks (and gradient clipping) like every other step."""
-    for strategy in ("eager_sgd", "ddp_find_unused_parameters_true"):
-        kw = ["--strategy-kw", '{"find_unused_parameters": true}'] if strategy == "eager_sgd" else []
-        records = fit_identical(tmp_path / strategy, "--strategy", strategy, *kw, "--unused", "--momentum", "0.9",
+    for strategy in ("eager_sgd", "eager_sgd_overlap", "ddp_find_unused_parameters_true"):
+        kw = {"eager_sgd": ["--strategy-kw", '{"find_unused_parameters": true}'],
+              "eager_sgd_overlap": ["--strategy-kw", '{"find_unused_parameters": true, "overlap": true}']}.get(
+                  strategy, [])
+        strategy, tag = strategy.removesuffix("_overlap"), strategy
+        records = fit_identical(tmp_path / tag, "--strategy", strategy, *kw, "--unused", "--momentum", "0.9",
                                 "--weight-decay", "0.01", "--straggle-ms", "30", "--steps", "12", "--clip", "0.5")
         changed = records[0]["changed"]
         assert not any(k.startswith("unused.") for k in changed), (strategy, changed)
         assert {"rank0_only.weight", "rank0_only.bias", "net.0.weight"} <= set(changed), (strategy, changed)
-        if strategy == "eager_sgd":
+        if tag == "eager_sgd":
             # The final flush's step went through on_before_optimizer_step (and so clipping, --clip) too.
             last = records[0]["last_round"]
             assert last["flush"] and last["round"] == 12
             flush_steps = 1 if last["contributions"] else 0
             assert all(r["before_optimizer_steps"] == 12 + flush_steps for r in records), records[0]
+        elif tag == "eager_sgd_overlap":
+            # 12 loop steps (the first applies nothing), the last round's own step, then the flush's.
+            last = records[0]["last_round"]
+            assert last["flush"] and last["round"] == 12
+            flush_steps = 1 if last["contributions"] else 0
+            assert all(r["before_optimizer_steps"] == 13 + flush_steps for r in records), records[0]
 
 
 @pytest.mark.timeout(300)

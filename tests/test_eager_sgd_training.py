@@ -165,7 +165,8 @@ def test_overlap_resume_applies_the_round_in_flight_at_the_save(tmp_path):
     from lightning_partial.strategies.overlap import IN_FLIGHT_KEY
 
     held = checkpoint[IN_FLIGHT_KEY][0]
-    assert any(t.abs().sum() > 0 for t in held), "round 5's result, not yet applied at the save"
+    assert held["applied"] is True
+    assert any(t.abs().sum() > 0 for t in held["tensors"]), "round 5's result, not yet applied at the save"
     second = run(tmp_path / "second", "--strategy", "eager_sgd", "--steps", "10", "--resume",
                  str(tmp_path / "first" / "mid.ckpt"), "--strategy-kw", OVERLAP)
     assert_identical_replicas(second)
@@ -173,6 +174,18 @@ def test_overlap_resume_applies_the_round_in_flight_at_the_save(tmp_path):
     assert second[0]["final"]["w"] == expected(first[0]["w0"]["w"], total, lr=first[0]["lr"], world=4)
     # The uninterrupted fit lands on the same closed form.
     assert first[0]["final"]["w"] == expected(first[0]["w0"]["w"], computed(first), lr=first[0]["lr"], world=4)
+
+    # Without overlap the held result would be lost: refused, until dropped explicitly.
+    refused = subprocess.run(
+        [sys.executable, "-m", SCRIPT, "--out", str(tmp_path / "refused"), "--strategy", "eager_sgd", "--steps", "10",
+         "--resume", str(tmp_path / "first" / "mid.ckpt")],
+        env=ENV, capture_output=True, text=True, timeout=200,
+    )
+    assert refused.returncode != 0 and "saved with overlap=True" in refused.stdout + refused.stderr
+    from lightning_partial.strategies.checkpoint import drop_engine_state
+
+    assert drop_engine_state(tmp_path / "first" / "mid.ckpt", tmp_path / "dropped.ckpt") >= 1
+    assert IN_FLIGHT_KEY not in torch.load(tmp_path / "dropped.ckpt", weights_only=False)
 
 
 def test_16_mixed_is_refused_with_a_clear_error():

@@ -76,6 +76,9 @@ from lightning_partial.collectives import PartialCollectiveError
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "lightning_partial"
+#: ``eager_sgd``'s ``overlap``: each optimizer's round result taken at the save and not yet applied
+#: (:class:`~lightning_partial.strategies.overlap.InFlight`): ``{index: {"tensors": [...], "applied": bool}}``.
+IN_FLIGHT_KEY = "lightning_partial_in_flight"
 
 
 
@@ -288,7 +291,8 @@ def drop_engine_state(src: _PATH, dst: _PATH) -> int:
 
     The explicit way to resume a checkpoint under a strategy of another family
     (see :func:`resume_entry`): the weights, optimizer and loop state are kept, the
-    engines start afresh at round 0 and the pending gradients are lost. ``src`` is
+    engines start afresh at round 0 and the pending gradients are lost (with
+    ``eager_sgd``'s ``overlap``, the round results saved unapplied too). ``src`` is
     not modified; ``dst`` is written atomically (:func:`save_atomically`).
     """
     if Path(src).resolve() == Path(dst).resolve():
@@ -296,6 +300,8 @@ def drop_engine_state(src: _PATH, dst: _PATH) -> int:
     checkpoint = torch.load(src, map_location="cpu", weights_only=False)
     entry = checkpoint.pop(CHECKPOINT_KEY, None)
     dropped = _pending_count(entry) if isinstance(entry, dict) else 0
+    in_flight = checkpoint.pop(IN_FLIGHT_KEY, None)  # eager_sgd overlap: a result per optimizer, not yet applied
+    dropped += len(in_flight) if isinstance(in_flight, dict) else 0
     save_atomically(checkpoint, dst)
     log.warning("%s: engine state dropped (%d pending set(s)); written to %s", src, dropped, dst)
     return dropped

@@ -45,11 +45,13 @@ from typing_extensions import Unpack, override
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning_partial import _compat
 from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundStats
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.strategies import compensation
 from lightning_partial.strategies.options import StrategyOptions
+from lightning_partial.strategies.checkpoint import IN_FLIGHT_KEY, CheckpointMismatchError
 from lightning_partial.strategies.overlap import InFlight
 from lightning_partial.strategies.partial import ConfiguredStrategy, FitState, StepModel
 from lightning_partial.strategies.prediction import WeightPrediction
@@ -166,9 +168,17 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         self.find_unused_parameters = find_unused_parameters
         if not isinstance(overlap, bool):
             raise ValueError(f"eager_sgd: overlap must be a bool, got {overlap!r}")
+        if overlap and mode == "sync":
+            # mode="sync" keeps Lightning's per-batch collectives (and SyncBatchNorm) on the default group,
+            # safe on NCCL only because each step waits for its round before the next batch.
+            raise ValueError(
+                "eager_sgd: overlap=True is not available with mode='sync' (its steps must wait for their round: "
+                "the default group's per-batch collectives share the NCCL communicator); use mode='solo', "
+                "'majority' or 'quorum'"
+            )
         self.overlap = overlap
         # Created here (no thread, no group: picklable); reset at every train start.
-        self._in_flight: Optional[InFlight] = InFlight() if overlap else None
+        self._in_flight: Optional[InFlight] = InFlight(extra=int(find_unused_parameters)) if overlap else None
         # With overlap, per optimizer: the re-timing of the step's delay (resolved at set-up), and the
         # delay of the result this step feeds the optimizer (0: on time, a fresh optimizer's first).
         self._retiming: dict[int, StalenessWeights] = {}
@@ -192,7 +202,7 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
     def _prediction_in_force(self) -> Optional[WeightPrediction]:
         # mode="sync", and one rank whose rounds hold only its own gradient: no gradient is ever late, so
         # none is predicted; the steps stay DDP's (on one device strategy="auto"'s, bit for bit).
-        # With overlap every gradient is applied a step late, whatever the mode and world size.
+        # With overlap every gradient is applied a step late, at any world size.
         if not self.overlap and (self.synchronous or self.world_size == 1):
             return None
         return self._prediction
@@ -249,15 +259,16 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             prediction.finish(index, params, before)  # the step's update, spike included
         return output
 
-    def _weigh_delayed(self, index: int) -> None:
-        """Overlap, after a landed result is in ``p.grad``, before clipping: its weight for its one-step delay."""
+    def _weigh_delayed(self, index: int, delay: int) -> None:
+        """Overlap, after a landed result is in ``p.grad``, before clipping: its weight for its delay.
+
+        ``delay``: the optimizer updates since its fresh gradients were computed (``Landed.delay``): 1, or
+        0 where the step between applied nothing (a fit's first step), which leaves it on time.
+        """
         weights = self._retiming.get(index)
         if weights is None or not weights.active:
             return
         optimizer, params = self.optimizers[index], self._params[index]
-        # One step late, but for a fresh optimizer's first step: no step came between the
-        # gradient and this one (the fit's first step applied nothing), so it is on time.
-        delay = 1 if any(optimizer.state.get(p) for p in params) else 0
         weight = compensation.gradient_weight(optimizer, weights, delay)
         if weight != 1.0:
             torch._foreach_mul_([p.grad for p in params if p.grad is not None], weight)
@@ -307,7 +318,7 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             return
         self._set_gradients(params, landed.tensors, known_used=landed.known_used)
         landed.release()
-        self._weigh_delayed(index)
+        self._weigh_delayed(index, landed.delay)
         if landed.result is not None:
             self._record(index, landed.result.stats)
 
@@ -345,31 +356,51 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             # Overlap: the last step's round, not applied yet, gets its own step first.
             landed = self._in_flight.take(index, self.global_rank)
             if landed is not None:
-                self._extra_step(index, landed.tensors, delayed=True)
+                self._extra_step(index, landed.tensors, delay=landed.delay)
                 landed.release()
                 if landed.result is not None:
                     self._record(index, landed.result.stats)
+                    if landed.result.stats.stop:
+                        # That round carried a stop request: every rank's engine ended after it (the same
+                        # round everywhere), so there is no flush; what is pending stays in the engine's state.
+                        return landed.result.stats
         result = engine.flush()
         if result.stats.contributions:
             self._extra_step(index, result.tensors)
         result.release()
         return result.stats
 
-    def _extra_step(self, index: int, values: list[torch.Tensor], *, delayed: bool = False) -> None:
+    def _extra_step(self, index: int, values: list[torch.Tensor], *, delay: Optional[int] = None) -> None:
         """An optimizer step after the fit loop, through the hooks and clipping every step goes through.
 
-        ``delayed``: the overlap's last landed round, re-timed as every step's.
+        ``delay``: the overlap's last landed round (``Landed.delay``), re-timed as every step's.
         """
         optimizer = self.optimizers[index]
         for p in self._params[index]:
             p.grad = None
         self._set_gradients(self._params[index], values, known_used=False)
-        if delayed:
-            self._weigh_delayed(index)
+        if delay is not None:
+            self._weigh_delayed(index, delay)
         _compat.before_optimizer_step(self.precision_plugin, self.lightning_module, optimizer)
         optimizer.step()
         self._compensate_delay(index)
         optimizer.zero_grad()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """:meth:`PartialStrategy.load_checkpoint`; without ``overlap``, refuses (when fitting) a checkpoint that
+        holds a round result not yet applied (saved with ``overlap=True``): it would be lost."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if fitting and not self.overlap and checkpoint.get(IN_FLIGHT_KEY):
+            raise CheckpointMismatchError(
+                "the checkpoint was saved with overlap=True and holds a round's result not yet applied, which "
+                "this strategy (overlap=False) would lose: resume with EagerSGDStrategy(overlap=True), or drop "
+                "it explicitly with lightning_partial.strategies.checkpoint.drop_engine_state(src, dst)",
+                source=checkpoint_path,
+            )
+        return checkpoint
 
     @override
     def save_checkpoint(
