@@ -180,7 +180,7 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         # Created here (no thread, no group: picklable); reset at every train start.
         self._in_flight: Optional[InFlight] = InFlight(extra=int(find_unused_parameters)) if overlap else None
         # With overlap, per optimizer: the re-timing of the step's delay (resolved at set-up), and the
-        # delay of the result this step feeds the optimizer (0: on time, a fresh optimizer's first).
+        # delay of the result this step feeds the optimizer (0: on time, after a step that applied nothing).
         self._retiming: dict[int, StalenessWeights] = {}
         self._step_delay: dict[int, int] = {}
         self._set_weight_prediction(weight_prediction)
