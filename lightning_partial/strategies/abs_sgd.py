@@ -471,11 +471,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             before = prediction.begin(index, params) if prediction is not None else None
             optimizer.step()
             steps += 1
-            if weights.spike(staleness):
-                # From the gradients as clipped (weight * g after clipping): the same direction and scale.
-                stepped = [(p, p.grad) for p in params if p.grad is not None]
-                compensation.compensate(optimizer, weights, [p for p, _ in stepped], [g for _, g in stepped],
-                                        staleness)
+            # From the gradients as clipped (weight * g after clipping): the same direction and scale.
+            compensation.compensate_step(optimizer, weights, params, staleness)
             if prediction is not None and before is not None:
                 prediction.finish(index, params, before)  # the step's update, spike included
             if not final:

@@ -199,6 +199,15 @@ def compensate(optimizer: Optimizer, weights: StalenessWeights, params: Sequence
         apply_spike(optimizer, params, grads, spike / weights.weight(staleness))
 
 
+def compensate_step(optimizer: Optimizer, weights: StalenessWeights, params: Sequence[Tensor], staleness: int) -> None:
+    """:func:`compensate` right after ``optimizer.step()``, from each parameter's ``p.grad`` as the step used it
+    (clipped: the same direction and scale); parameters without a gradient are left alone."""
+    if not weights.spike(staleness):
+        return
+    stepped = [p for p in params if p.grad is not None]
+    compensate(optimizer, weights, stepped, [p.grad for p in stepped], staleness)
+
+
 @torch.no_grad()
 def retime_adam(optimizer: Optimizer, params: Sequence[Tensor], grads: Sequence[Tensor], staleness: int) -> None:
     """Spike compensation for Adam and AdamW, after a step on gradients ``staleness`` (``tau``) rounds late.

@@ -279,10 +279,8 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         clipped), as abs_sgd's (:func:`~lightning_partial.strategies.compensation.compensate`)."""
         delay = self._step_delay.pop(index, 0)
         weights = self._retiming.get(index)
-        if not delay or weights is None or not weights.spike(delay):
-            return
-        stepped = [p for p in self._params[index] if p.grad is not None]
-        compensation.compensate(self.optimizers[index], weights, stepped, [p.grad for p in stepped], delay)
+        if delay and weights is not None:
+            compensation.compensate_step(self.optimizers[index], weights, self._params[index], delay)
 
     @staticmethod
     def _presence(params: list[torch.nn.Parameter], present: list[bool]) -> torch.Tensor:
