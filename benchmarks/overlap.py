@@ -18,7 +18,7 @@ name           ``strategy=``            what runs
 =============  =======================  ==================================================
 ``ddp``        ``"ddp"``                ``DistributedDataParallel`` at world size 1 (NCCL)
 ``eager_sgd``  ``"eager_sgd"``          the partial-allreduce engine at world size 1
-                                        (solo, ``max_staleness=2``, the strategy's defaults)
+                                        (solo, the strategy's defaults)
 ``auto``       ``"auto"``               a single device, no communication at all: the floor
 =============  =======================  ==================================================
 

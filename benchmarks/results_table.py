@@ -42,7 +42,7 @@ MAIN_JOB_ROWS: tuple[str, ...] = (
 IMBALANCE_ROWS: tuple[tuple[str, str], ...] = (
     ("ddp_imbalanced", "`ddp`"),
     ("post_local_sgd_imbalanced", "post-local SGD (period 4)"),
-    ("eager_sgd_imbalanced", "`eager_sgd` (solo, `max_staleness=2`)"),
+    ("eager_sgd_imbalanced", "`eager_sgd` (solo, `max_staleness=1`)"),
     ("eager_sgd_majority_imbalanced", "`eager_sgd_majority`"),
     ("wagma_sgd_imbalanced", "`wagma_sgd` (S=2, tau=10)"),
     ("ds_sync_imbalanced", "`ds_sync` (G=2, `max_staleness=4`)"),

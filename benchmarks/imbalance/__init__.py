@@ -9,14 +9,14 @@ per rank:
 configuration                      strategy                                                    imbalance
 =================================  ==========================================================  =========
 ``ddp_balanced``                   ``strategy="ddp"``                                          no
-``eager_sgd_balanced``             ``strategy="eager_sgd"`` (solo, max_staleness=2)            no
+``eager_sgd_balanced``             ``strategy="eager_sgd"`` (solo, max_staleness=1)            no
 ``ddp_imbalanced``                 ``strategy="ddp"``                                          yes
 ``post_local_sgd_imbalanced``      post-local SGD (``baselines.PostLocalSGDStrategy``)         yes
-``eager_sgd_imbalanced``           ``strategy="eager_sgd"`` (solo, max_staleness=2)            yes
+``eager_sgd_imbalanced``           ``strategy="eager_sgd"`` (solo, max_staleness=1)            yes
 ``eager_sgd_majority_imbalanced``  ``strategy="eager_sgd_majority"``                           yes
 ``eager_sgd_unbounded_imbalanced`` ``EagerSGDStrategy(max_staleness=None)``                    yes
 ``eager_sgd_contrib_imbalanced``   ``EagerSGDStrategy(normalize="contributors")``              yes
-``eager_sgd_s1_imbalanced``        ``EagerSGDStrategy(max_staleness=1)``                       yes
+``eager_sgd_s2_imbalanced``        ``EagerSGDStrategy(max_staleness=2)``                       yes
 ``wagma_sgd_imbalanced``           ``strategy="wagma_sgd"`` (S=2, tau=10)                      yes
 ``ds_sync_imbalanced``             ``strategy="ds_sync"`` (G=2, max_staleness=4)               yes
 ``no_comm_imbalanced``             every rank alone (``baselines.NoCommStrategy``): the bound  yes

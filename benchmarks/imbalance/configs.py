@@ -39,7 +39,7 @@ CONFIGS: dict[str, Config] = {
         Config("post_local_sgd_imbalanced", "post_local_sgd", True, "post-local SGD"),
         Config("eager_sgd_imbalanced", "eager_sgd", True, "eager-SGD solo"),
         Config("eager_sgd_majority_imbalanced", "eager_sgd_majority", True, "eager-SGD majority"),
-        # The strategy's default bounds staleness at 2 rounds; the paper's unbounded solo for contrast.
+        # The strategy's default bounds staleness at 1 round; the paper's unbounded solo for contrast.
         Config(
             "eager_sgd_unbounded_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=None",
             (("max_staleness", None),),
@@ -48,7 +48,8 @@ CONFIGS: dict[str, Config] = {
             "eager_sgd_contrib_imbalanced", "eager_sgd", True, "eager-SGD solo, normalize=contributors",
             (("normalize", "contributors"),),
         ),
-        Config("eager_sgd_s1_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=1", (("max_staleness", 1),)),
+        Config("eager_sgd_s2_imbalanced", "eager_sgd", True, "eager-SGD solo, max_staleness=2", (("max_staleness", 2),)),
+        _study("eager_sgd_s1_imbalanced", ("max_staleness", 1), note=" (the default, named)"),
         # The staleness-rule study (run when --only names them): the default rule ("auto": "inverse"
         # under momentum) against the paper's "none", at other bounds, and fresh-only rounds.
         _study("eager_sgd_rule_none_imbalanced", ("staleness_rule", "none")),

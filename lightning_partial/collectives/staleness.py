@@ -23,8 +23,9 @@ weighs each carried gradient by its own staleness before the round's sum;
     2021): the update then equals the on-time one except that one plain step
     comes ``tau`` rounds late. Where contributions of different staleness are
     summed in one allreduce (``eager_sgd``) the share is not applied and is
-    counted per round (``RoundStats.discounted``): applying it would need a
-    second buffer in every round's allreduce.
+    counted per round (``RoundStats.discounted``): applying it takes a second
+    part in every round's allreduce, which was measured to cost accuracy
+    (``docs/staleness.md#the-staleness-bound``).
 ``"inverse"`` (``eager_sgd``'s default under an optimizer with momentum)
     Weight ``1 / (1 + tau)`` (Zhang, Gupta, Lian, Liu, *Staleness-aware
     Async-SGD*, 2016); the rest is counted as discounted. Needs no momentum.
