@@ -45,7 +45,7 @@ IMBALANCE_ROWS: tuple[tuple[str, str], ...] = (
     ("eager_sgd_imbalanced", "`eager_sgd` (solo, `max_staleness=1`)"),
     ("eager_sgd_majority_imbalanced", "`eager_sgd_majority`"),
     ("wagma_sgd_imbalanced", "`wagma_sgd` (S=2, tau=10)"),
-    ("ds_sync_imbalanced", "`ds_sync` (G=2, `max_staleness=4`)"),
+    ("ds_sync_imbalanced", "`ds_sync` (G=2, `max_staleness=1`)"),
     ("no_comm_imbalanced", "no communication (the bound)"),
 )
 

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from recipes.errors import check_choice, check_float, check_int
@@ -32,7 +33,8 @@ class RecipeModule(L.LightningModule):
         lr: peak learning rate.
         momentum: SGD momentum.
         weight_decay: L2 (SGD) / decoupled (AdamW) weight decay.
-        lr_schedule: ``"constant"``; ``"cosine"`` to 0 over ``trainer.max_steps`` (or ``max_epochs``);
+        lr_schedule: ``"constant"``; ``"cosine"`` to 0 over ``trainer.max_steps`` (or ``max_epochs``; a
+            loader without a length needs ``max_steps``, else the rate stays constant, with a warning);
             ``"inverse_sqrt"`` (Transformer: ``lr * min(1, sqrt(warmup/step))``).
         warmup_steps: linear warm-up steps (every schedule).
     """
@@ -79,9 +81,17 @@ class RecipeModule(L.LightningModule):
         if self.lr_schedule == "cosine" and total is None:
             try:  # max_epochs: Lightning's estimate (unknown for an unsized loader, e.g. under abs_sgd)
                 estimate = self.trainer.estimated_stepping_batches
-                total = int(estimate) if math.isfinite(estimate) else None
+                total = int(estimate) if math.isfinite(estimate) and estimate > 0 else None
             except Exception:  # noqa: BLE001 - any failure of the estimate: fall back to a constant rate
                 total = None
+            if total is None:
+                # Said once, on rank 0: a fit that asked for a decay and trains at a constant rate
+                # ends mid-descent, which a user comparing runs must know.
+                rank_zero_warn(
+                    "model.lr_schedule='cosine' needs the number of steps, and the training loader has no "
+                    "length (an iterable loader, e.g. under abs_sgd, whose epochs end by global samples): "
+                    "the learning rate stays constant. Set trainer.max_steps to decay it to 0 over that many steps."
+                )
         warmup, schedule = self.warmup_steps, self.lr_schedule
 
         def factor(step: int) -> float:

@@ -79,7 +79,7 @@ def test_default_correction_and_order():
         assert (strategy.normalize, strategy.late, strategy.stale, strategy.order) == (
             "group", "damp", "skip", "step_then_average"
         )
-    assert WAGMAStrategy().global_every == 10 and DSSyncStrategy().partial_config.max_staleness == 4
+    assert WAGMAStrategy().global_every == 10 and DSSyncStrategy().partial_config.max_staleness == 1
 
 
 def test_default_schedules():

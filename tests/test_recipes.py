@@ -34,6 +34,7 @@ import lightning_partial  # noqa: E402,F401 - registers the strategies
 
 from recipes.catalog import RECIPES  # noqa: E402
 from recipes.errors import RecipeConfigError  # noqa: E402
+from recipes.modules import ImageClassifier  # noqa: E402
 from tests.scripts.ports import RANK_VARIABLES, free_port  # noqa: E402
 
 WORKER = "tests.recipe_files.matrix_worker"  # run as `python -m` from the repository root
@@ -777,3 +778,29 @@ def test_main_job_task_is_learnable_below_saturation() -> None:
         for c in range(images.num_classes)
     ], dim=1)
     assert (scores.argmax(1) == y).float().mean() > 0.95  # chance: 1 / synthetic_classes
+
+
+class _TinyClassifier(ImageClassifier):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.net = torch.nn.Linear(4, 2)
+
+
+def test_cosine_schedule_without_a_step_count_warns_and_stays_constant():
+    """An unsized loader (abs_sgd's) and no ``trainer.max_steps``: the decay is impossible, and said so."""
+    import lightning as L
+
+    module = _TinyClassifier(lr=0.1, lr_schedule="cosine")
+    module.trainer = L.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                               enable_progress_bar=False, enable_model_summary=False)
+    with pytest.warns(UserWarning, match=r"trainer\.max_steps"):
+        config = module.configure_optimizers()
+    scheduler = config["lr_scheduler"]["scheduler"]
+    assert [scheduler.lr_lambdas[0](step) for step in (0, 50, 10_000)] == [1.0, 1.0, 1.0]
+
+    module = _TinyClassifier(lr=0.1, lr_schedule="cosine")
+    module.trainer = L.Trainer(max_steps=100, accelerator="cpu", logger=False, enable_checkpointing=False,
+                               enable_progress_bar=False, enable_model_summary=False)
+    config = module.configure_optimizers()
+    factor = config["lr_scheduler"]["scheduler"].lr_lambdas[0]
+    assert factor(0) == 1.0 and factor(50) == pytest.approx(0.5) and factor(100) == pytest.approx(0.0, abs=1e-12)

@@ -18,7 +18,8 @@ configuration                      strategy                                     
 ``eager_sgd_contrib_imbalanced``   ``EagerSGDStrategy(normalize="contributors")``              yes
 ``eager_sgd_s2_imbalanced``        ``EagerSGDStrategy(max_staleness=2)``                       yes
 ``wagma_sgd_imbalanced``           ``strategy="wagma_sgd"`` (S=2, tau=10)                      yes
-``ds_sync_imbalanced``             ``strategy="ds_sync"`` (G=2, max_staleness=4)               yes
+``ds_sync_imbalanced``             ``strategy="ds_sync"`` (G=2, max_staleness=1)               yes
+``ds_sync_s4_imbalanced``          ``DSSyncStrategy(max_staleness=4)``                         yes
 ``no_comm_imbalanced``             every rank alone (``baselines.NoCommStrategy``): the bound  yes
 =================================  ==========================================================  =========
 

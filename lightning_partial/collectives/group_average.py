@@ -476,7 +476,7 @@ def apply_average(
       over about ``k + 1`` rounds instead of one). Why: ``"carry"`` measures a
       late rank's pull from the model it contributed ``k`` rounds ago although
       its current model already took the ``k`` pulls of the rounds since; at
-      ``k >= 3`` that overshoot grows without bound (DS-Sync's ``max_staleness=4``
+      ``k >= 3`` that overshoot grows without bound (DS-Sync with ``max_staleness=4``
       allows ``k = 4``; see :func:`lag_damping`).
     * ``late="carry"``: ``u <- s / n + (u - c)``, the same for ``k = 0`` and
       conserving too, but unstable for a lag of 3 or more (kept for comparison).
