@@ -81,7 +81,8 @@ from lightning_partial.strategies import compensation
 from lightning_partial.strategies.accumulation import RoundAccumulator
 from lightning_partial.strategies.checkpoint import state_for_rank
 from lightning_partial.strategies.options import StrategyOptions
-from lightning_partial.strategies.partial import FitState, PartialStrategy, StepModel
+from lightning_partial.strategies.fit_state import FitState
+from lightning_partial.strategies.partial import PartialStrategy, StepModel
 from lightning_partial.strategies.prediction import LAST_UPDATE_KEY  # noqa: F401 - where it was first defined
 
 log = logging.getLogger(__name__)

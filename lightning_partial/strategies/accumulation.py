@@ -29,6 +29,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_partial.strategies.fit_state import CheckpointedState
+
 __all__ = ["ACCUMULATED_KEY", "RoundAccumulator"]
 
 #: The checkpoint entry: ``{index: {"sum": [tensor per parameter] or None, "samples": int, "rounds": int,
@@ -45,7 +47,7 @@ class _Accumulated:
     spare: Optional[list[Tensor]] = field(default=None, repr=False)  # the last step's buffers, reused
 
 
-class RoundAccumulator:
+class RoundAccumulator(CheckpointedState):
     """Per optimizer index: the round results added since its last step.
 
     Args:
@@ -54,6 +56,8 @@ class RoundAccumulator:
         reference_samples: the divisor of a step's gradient sum (``None``: the
             step's samples).
     """
+
+    checkpoint_key = ACCUMULATED_KEY
 
     def __init__(self, step_samples: Optional[int], reference_samples: Optional[int]) -> None:
         self.step_samples = step_samples
@@ -135,11 +139,3 @@ class RoundAccumulator:
                 for i, s in self._state.items()
             }
 
-    def load(self, checkpoint: dict[str, Any]) -> None:
-        """Keeps a checkpoint's accumulated rounds for the next :meth:`reset`."""
-        saved = checkpoint.get(ACCUMULATED_KEY)
-        self._resumed = dict(saved) if isinstance(saved, dict) else None
-
-    def forget_loaded(self) -> None:
-        """A checkpoint loaded outside fitting: nothing of it is for a later fit."""
-        self._resumed = None

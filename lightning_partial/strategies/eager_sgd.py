@@ -53,7 +53,8 @@ from lightning_partial.strategies import compensation
 from lightning_partial.strategies.options import StrategyOptions
 from lightning_partial.strategies.checkpoint import IN_FLIGHT_KEY, CheckpointMismatchError
 from lightning_partial.strategies.overlap import InFlight
-from lightning_partial.strategies.partial import ConfiguredStrategy, FitState, StepModel
+from lightning_partial.strategies.fit_state import FitState
+from lightning_partial.strategies.partial import ConfiguredStrategy, StepModel
 from lightning_partial.strategies.prediction import WeightPrediction
 
 log = logging.getLogger(__name__)

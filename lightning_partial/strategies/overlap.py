@@ -37,6 +37,7 @@ from torch import Tensor
 
 from lightning_partial.collectives import EngineClosedError, RoundResult
 from lightning_partial.strategies.checkpoint import IN_FLIGHT_KEY, CheckpointMismatchError
+from lightning_partial.strategies.fit_state import CheckpointedState
 
 __all__ = ["IN_FLIGHT_KEY", "InFlight", "Landed"]
 
@@ -70,13 +71,15 @@ class _Submitted:
     all_present: bool  # the submitting step had a gradient for every parameter
 
 
-class InFlight:
+class InFlight(CheckpointedState):
     """Per optimizer index, the round submitted by the last step and not applied yet (see the module docstring).
 
     Args:
         extra: tensors the engine carries per round beyond one per parameter (``find_unused_parameters``: 1),
             checked against a resumed checkpoint's results.
     """
+
+    checkpoint_key = IN_FLIGHT_KEY
 
     def __init__(self, *, extra: int = 0) -> None:
         self._extra = extra
@@ -164,11 +167,3 @@ class InFlight:
                 for i, landed in self._held.items()
             }
 
-    def load(self, checkpoint: dict[str, Any]) -> None:
-        """Keeps a checkpoint's results for the next :meth:`reset` (the resumed fit's first step applies them)."""
-        saved = checkpoint.get(IN_FLIGHT_KEY)
-        self._resumed = dict(saved) if isinstance(saved, dict) else None
-
-    def forget_loaded(self) -> None:
-        """A checkpoint loaded outside fitting: its results are not for a later fit."""
-        self._resumed = None

@@ -54,23 +54,13 @@ from lightning_partial.collectives.checks import check_timedelta
 from lightning_partial.collectives.liveness import Heartbeat
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, gather_engine_states, resume_entry, state_for_rank
+from lightning_partial.strategies.fit_state import FitState
 from lightning_partial.strategies.options import ProcessGroupOptions
 from lightning_partial.strategies.prediction import WeightPrediction
 from lightning_partial.strategies.process_group import ProcessGroupStrategy
 
 log = logging.getLogger(__name__)
 
-
-class FitState(Protocol):
-    """Per-fit state a strategy keeps beside its engines (:meth:`PartialStrategy._fit_states`)."""
-
-    def save(self, checkpoint: dict[str, Any]) -> None: ...
-
-    def load(self, checkpoint: dict[str, Any]) -> None: ...
-
-    def forget_loaded(self) -> None: ...
-
-    def reset(self, params: dict[int, list[torch.nn.Parameter]]) -> None: ...
 
 # Seconds between a heartbeat's verdict (a peer is gone) and the end of a process that
 # has not torn down by then: collective_timeout + this is the longest a survivor lives on.

@@ -26,6 +26,8 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_partial.strategies.fit_state import CheckpointedState
+
 __all__ = ["LAST_UPDATE_KEY", "WeightPrediction", "copy_weights"]
 
 #: The checkpoint entry holding the last update per optimizer index (``{index: [tensor per parameter]}``).
@@ -44,7 +46,7 @@ def copy_weights(params: Sequence[Tensor], into: Optional[list[Tensor]]) -> list
     return into
 
 
-class WeightPrediction:
+class WeightPrediction(CheckpointedState):
     """The last update per optimizer index, and the prediction and restoring around a gradient's computation.
 
     Use, per step of optimizer ``index`` with parameters ``params``::
@@ -59,6 +61,8 @@ class WeightPrediction:
     calls :meth:`begin`/:meth:`predicted` per gradient and :meth:`release` the copy,
     then :meth:`begin`/:meth:`finish` around each optimizer step.
     """
+
+    checkpoint_key = LAST_UPDATE_KEY
 
     def __init__(self) -> None:
         self._updates: dict[int, list[Tensor]] = {}
@@ -123,11 +127,3 @@ class WeightPrediction:
                 i: [u.detach().cpu().clone() for u in update] for i, update in self._updates.items()
             }
 
-    def load(self, checkpoint: dict[str, Any]) -> None:
-        """Keeps a checkpoint's last updates for the next :meth:`reset` (a resumed fit predicts as before)."""
-        saved = checkpoint.get(LAST_UPDATE_KEY)
-        self._resumed = dict(saved) if isinstance(saved, dict) else None
-
-    def forget_loaded(self) -> None:
-        """A checkpoint loaded outside fitting: its updates are not for a later fit."""
-        self._resumed = None
