@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
@@ -156,6 +157,22 @@ def test_sigterm_with_overlap_stops_every_rank_at_the_same_step(tmp_path):
     steps = {r: int((out / f"stopped{r}").read_text()) for r in range(4)}
     assert len(set(steps.values())) == 1, steps
     assert_identical(out)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy, kw", [("eager_sgd", {"overlap": False}), ("eager_sgd", {"overlap": True}),
+                                          ("ds_sync", {"max_staleness": 1})], ids=["rounds", "overlap", "ds_sync"])
+def test_sigterm_in_the_last_step_ends_the_fit_with_identical_replicas(tmp_path, strategy, kw):
+    """A stop request carried by the last step's round: no batch is left to raise SIGTERMException at, so
+    the fit ends normally, without a flush (the engines ended at the stop round). With ``overlap=True``
+    that round is collected only by the final round, which applies it. Either way every rank ends with
+    the same parameters and buffers (the BatchNorm statistics averaged, as at every end of fit)."""
+    states = fit(tmp_path, strategy, "--steps", "12", "--sigterm-at", "11:1", "--straggle-ms", "5",
+                 "--batchnorm", "--strategy-kw", json.dumps(kw))
+    assert not list((tmp_path / strategy).glob("stopped*")), "the fit raised SIGTERMException"
+    for other in states[1:]:
+        for key, value in states[0].items():
+            assert torch.equal(value, other[key]), key
 
 
 @pytest.mark.timeout(300)

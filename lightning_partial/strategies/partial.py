@@ -387,8 +387,14 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
     @override
     def on_train_end(self) -> None:
         """The final round of every engine: nothing pending is lost, replicas end identical."""
-        if self._stopped:  # stopped by SIGTERM: the engines already ended at the same round
+        if self._stopped:
+            # A stop request ended the engines at the same round on every rank. Usually the next
+            # batch start then raises SIGTERMException and this hook never runs; it runs when the
+            # stop rode in the last step's round (the fit loop ended first). Then every rank is
+            # here: no flush is possible (what was carried stays in the engines' state), but the
+            # buffers are averaged as at every end of fit, so that the replicas end identical.
             self._close_engines()
+            self._average_buffers()
             self._release_store(agreed=True)
             return
         for index, engine in list(self._engines.items()):

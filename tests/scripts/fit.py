@@ -9,7 +9,8 @@ issued on the default group while the batches ran. ``--save-at N`` writes
 ``<out>/mid.ckpt`` after N steps, ``--resume PATH`` resumes from one;
 ``--batchnorm`` adds a BatchNorm layer (buffers each replica updates);
 ``--sleep-at BATCH:RANK:SECONDS`` makes one rank sleep inside one training step
-(alive, its threads running). ``--strategy-kw`` takes timeouts in seconds.
+(alive, its threads running); ``--sigterm-at BATCH:RANK`` makes one rank send
+itself SIGTERM inside one training step. ``--strategy-kw`` takes timeouts in seconds.
 
 Imbalance (``lightning_partial.callbacks.LoadImbalance``): ``--imbalance-ms``
 (alias ``--straggle-ms``) makes ``--stragglers`` ranks per batch, drawn with a
@@ -31,6 +32,7 @@ if "--spy" in sys.argv:
 import argparse
 import json
 import os
+import signal
 import time
 from datetime import timedelta
 from dataclasses import asdict
@@ -62,10 +64,13 @@ class Regressor(L.LightningModule):
         self.optimizer = "sgd"
         self.sync_dist = False
         self.sleep_at: tuple[int, int, float] | None = None  # (batch, rank, seconds)
+        self.sigterm_at: tuple[int, int] | None = None  # (batch, rank)
 
     def training_step(self, batch, batch_idx):
         if self.sleep_at is not None and (batch_idx, self.global_rank) == self.sleep_at[:2]:
             time.sleep(self.sleep_at[2])  # a slow step: alive, never to be declared dead
+        if self.sigterm_at is not None and (batch_idx, self.global_rank) == self.sigterm_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # before this step's round is submitted
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         if self.rank0_only is not None and self.global_rank == 0 and batch_idx % 2:
@@ -203,6 +208,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=None,
                         help="ModelCheckpoint(every_n_train_steps=N, save_top_k=-1, save_last=True) into <out>/ckpt")
     parser.add_argument("--sleep-at", default=None, help="BATCH:RANK:SECONDS: that rank sleeps in that step")
+    parser.add_argument("--sigterm-at", default=None, help="BATCH:RANK: that rank sends itself SIGTERM in that step")
     parser.add_argument("--rank-batch-sizes", default=None,
                         help="one loader batch size per rank, e.g. 16,16,8,8 (default: 16 on every rank)")
     parser.add_argument("--out", type=Path, required=True)
@@ -226,6 +232,9 @@ def main() -> None:
     if args.sleep_at is not None:
         batch, rank, seconds = args.sleep_at.split(":")
         model.sleep_at = (int(batch), int(rank), float(seconds))
+    if args.sigterm_at is not None:
+        batch, rank = args.sigterm_at.split(":")
+        model.sigterm_at = (int(batch), int(rank))
     model.pid_dir = args.out / "pids"
     strategy: Any = args.strategy
     if strategy.startswith("eager_sgd:"):  # a configured instance rather than a registry name
