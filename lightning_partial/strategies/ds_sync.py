@@ -15,8 +15,8 @@ shuffling, everybody; unbounded, with no global average ever, the ranks' lag
 is a random walk that costs accuracy or diverges. Every round of lag a model
 carries into an average costs accuracy under momentum: in the main jobs
 (seeds 0-4) a bound of 4 ended 2.0 points below DDP at a constant rate (two
-sets), 3.5 at a decaying one and 4.4 under AdamW, a bound of 1 1.1, 1.2 and
-1.3, for 12-14% of the throughput. Measured in docs/algorithms.md#ds-syncs-rounds.
+sets), 3.5 at a decaying one and 4.4 under AdamW, a bound of 1 1.1, 1.7 (both
+two sets) and 1.3, for 12-14% of the throughput. Measured in docs/algorithms.md#ds-syncs-rounds.
 ``max_staleness=4`` (or more) buys throughput, ``None`` restores the unbounded
 rule; ``mode="sync"`` makes every rank arrive before each group exchange.
 
