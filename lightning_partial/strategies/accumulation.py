@@ -138,4 +138,3 @@ class RoundAccumulator(CheckpointedState):
                     "samples": s.samples, "rounds": s.rounds, "steps": s.steps}
                 for i, s in self._state.items()
             }
-

@@ -166,4 +166,3 @@ class InFlight(CheckpointedState):
                     "applied": self._applied.get(i, True)}
                 for i, landed in self._held.items()
             }
-

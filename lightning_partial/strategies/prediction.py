@@ -126,4 +126,3 @@ class WeightPrediction(CheckpointedState):
             checkpoint[LAST_UPDATE_KEY] = {
                 i: [u.detach().cpu().clone() for u in update] for i, update in self._updates.items()
             }
-
