@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 import lightning.pytorch as pl
+from lightning_partial import _compat
 from lightning_partial.collectives import PartialAllreduceConfig, RoundStats
 from lightning_partial.collectives.checks import check_int
 from lightning_partial.collectives.group_average import (
@@ -273,6 +274,15 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         apply_average(result, params, normalize=self.normalize, late=self.late)  # type: ignore[arg-type]
         result.release()
         self._record(index, result.stats)
+
+    @override
+    def _end_after_stop(self) -> None:
+        """The stop replaced the final global average. Every rank is here (the stop rode in the last step's
+        round), so the parameters are averaged over the collective group instead: the replicas end identical,
+        as after the final average (a stop that raises ``SIGTERMException`` ends the fit before this)."""
+        if self.world_size < 2 or not _compat._distributed_is_initialized():
+            return
+        self._mean_over_ranks([p.detach() for params in self._params.values() for p in params])
 
     @override
     def _final_round(self, index: int, engine: GroupAverage) -> RoundStats:

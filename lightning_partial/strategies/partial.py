@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 from abc import abstractmethod
 from datetime import timedelta
-from typing import Any, Callable, ClassVar, Generic, Optional, Protocol, TypeVar, Union
+from typing import Any, Callable, ClassVar, Generic, Optional, Protocol, Sequence, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -391,8 +391,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             # A stop request ended the engines at the same round on every rank. Usually the next
             # batch start then raises SIGTERMException and this hook never runs; it runs when the
             # stop rode in the last step's round (the fit loop ended first). Then every rank is
-            # here: no flush is possible (what was carried stays in the engines' state), but the
-            # buffers are averaged as at every end of fit, so that the replicas end identical.
+            # here: no flush is possible (what was carried is not applied), but what the final
+            # round would have made identical is, over the collective group.
+            self._end_after_stop()
             self._close_engines()
             self._average_buffers()
             self._release_store(agreed=True)
@@ -419,6 +420,26 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             self.barrier("lightning_partial: release the store")
         self._store = None
 
+    def _end_after_stop(self) -> None:
+        """Every rank, main thread, at the end of a fit whose last step's round carried a stop: the part of
+        the final round that needs no engine. Here nothing: the gradient strategies' parameters are
+        identical after every round."""
+
+    def _mean_over_ranks(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Every rank, main thread, collective group: each floating-point tensor replaced in place by its mean
+        over the ranks, any other by rank 0's (bounded by the group's timeout)."""
+        group = self.collective_group
+        with torch.no_grad():
+            for t in tensors:
+                host = self._to_host(t)
+                if t.is_floating_point():
+                    dist.all_reduce(host, op=dist.ReduceOp.SUM, group=group)
+                    host.div_(self.world_size)
+                else:
+                    dist.broadcast(host, src=0, group=group)
+                if host is not t:
+                    t.copy_(host)
+
     def _average_buffers(self) -> None:
         """Every rank, main thread, collective group, once at the end of fit: makes the buffers identical.
 
@@ -431,20 +452,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         """
         if self.lightning_module is None or self.world_size < 2 or not _compat._distributed_is_initialized():
             return
-        buffers = [b for b in self.lightning_module.buffers() if b.numel()]
-        if not buffers:
-            return
-        group = self.collective_group
-        with torch.no_grad():
-            for b in buffers:
-                host = self._to_host(b)
-                if b.is_floating_point():
-                    dist.all_reduce(host, op=dist.ReduceOp.SUM, group=group)  # bounded by the group's timeout
-                    host.div_(self.world_size)
-                else:
-                    dist.broadcast(host, src=0, group=group)
-                if host is not b:
-                    b.copy_(host)
+        self._mean_over_ranks([b for b in self.lightning_module.buffers() if b.numel()])
 
     def _close_engines(self) -> None:
         if self._heartbeat is not None:
