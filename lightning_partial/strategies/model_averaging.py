@@ -38,7 +38,6 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 import lightning.pytorch as pl
-from lightning_partial import _compat
 from lightning_partial.collectives import PartialAllreduceConfig, RoundStats
 from lightning_partial.collectives.checks import check_int
 from lightning_partial.collectives.group_average import (
@@ -280,8 +279,6 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         """The stop replaced the final global average. Every rank is here (the stop rode in the last step's
         round), so the parameters are averaged over the collective group instead: the replicas end identical,
         as after the final average (a stop that raises ``SIGTERMException`` ends the fit before this)."""
-        if self.world_size < 2 or not _compat._distributed_is_initialized():
-            return
         self._mean_over_ranks([p.detach() for params in self._params.values() for p in params])
 
     @override

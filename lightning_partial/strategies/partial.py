@@ -427,7 +427,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
 
     def _mean_over_ranks(self, tensors: Sequence[torch.Tensor]) -> None:
         """Every rank, main thread, collective group: each floating-point tensor replaced in place by its mean
-        over the ranks, any other by rank 0's (bounded by the group's timeout)."""
+        over the ranks, any other by rank 0's (bounded by the group's timeout). Nothing on one rank."""
+        if self.world_size < 2 or not _compat._distributed_is_initialized():
+            return
         group = self.collective_group
         with torch.no_grad():
             for t in tensors:
@@ -450,7 +452,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         and the others (``num_batches_tracked``) by rank 0's, so that the replicas
         end identical, buffers included.
         """
-        if self.lightning_module is None or self.world_size < 2 or not _compat._distributed_is_initialized():
+        if self.lightning_module is None:
             return
         self._mean_over_ranks([b for b in self.lightning_module.buffers() if b.numel()])
 
