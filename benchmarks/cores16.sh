@@ -14,6 +14,8 @@
 # D = 2 x the calibrated concurrent step, now of 3-thread processes); benchmarks.heterogeneity as there except
 # HET_REPEATS (default 2, the 2-core run had 3) so that both fit in about 8 minutes. Both: --threads 3
 # (THREADS), --steal-retries 1 (2 by default) to bound the time a fit the hypervisor stole from can add.
+# benchmarks.heterogeneity runs its default protocol (SGD momentum 0.9, abs_sgd at the strategy's defaults,
+# the same samples); the heterogeneity_16core.json it replaces holds the earlier plain-SGD protocol's (docs/benchmarks.md).
 # Measured on the H100 machine's 16 cores: about 45 s per fit (start-up, 250 steps, evaluation), so
 # every configuration does not fit in one 10-minute device call: IMB_ONLY picks a subset, HET_REPEATS
 # the heterogeneity repeats, STEAL_RETRIES the reruns of a fit the hypervisor stole from.

@@ -6,10 +6,10 @@ Two tasks (``--model``):
   32, 32 and 64 channels, the last two of stride 2, each followed by group
   norm and ReLU, global average pooling, a linear head; 29,546 parameters, no
   buffers) on the recipes' built-in class images
-  (``recipes.data.images.ClassImages``: 10 classes, 3x16x16, noise 1.0); plain
-  SGD lr 0.4. Like the paper's ResNet-18 it does much computation per
-  parameter: one round's allreduce carries 118 KB for 18 ms of computation per
-  128-sample micro-batch.
+  (``recipes.data.images.ClassImages``: 10 classes, 3x16x16, noise 1.0).
+  Like the paper's ResNet-18 it does much computation per parameter: one
+  round's allreduce carries 118 KB for 18 ms of computation per 128-sample
+  micro-batch.
 * ``mlp``: the imbalance benchmark's task and model (``benchmarks/imbalance/task.py``:
   teacher-labelled 10-class data, MLP 32-512-512-512-10); plain SGD lr 0.15. It
   does about one multiply-add per parameter and sample: one round's allreduce
@@ -17,16 +17,27 @@ Two tasks (``--model``):
   128-sample micro-batch (5.5 ms), and on 2 shared cores that CPU is taken from
   the computation.
 
+The optimizer (every configuration the same): SGD with momentum 0.9
+(``--momentum``) at ``lr = (1 - momentum) x`` plain SGD's rate (0.4 for
+``cnn``, 0.15 for ``mlp``: 0.04 and 0.015 at momentum 0.9; ``--lr``
+overrides it), or ``--optimizer adamw``.
+
 Three configurations, each a 4-process CPU fit, each over **one epoch of the same dataset**
-(``--steps x 4 x --batch-size`` samples; ``abs_sgd`` trains ``--abs-epochs`` 3 epochs), with
+(``--steps x 4 x --batch-size`` samples; ``--abs-epochs N``: ``abs_sgd`` trains N), with
 ``LoadImbalance(speed=(1, 1, 0.5, 0.25))`` (a rank with factor ``f`` sleeps so
 that its batches take ``1/f`` as long):
 
 * ``ddp``: ``--steps`` synchronous steps of ``--batch-size`` per rank;
-* ``abs_sgd``: ``ABSSGDStrategy(target_samples=256)`` (``--target-samples``;
-  ``--abs-batch-size``: its own micro-batch; ``--adaptive``: with
-  ``AdaptiveBatchSize``): an epoch ends when the ranks together have drawn the
-  dataset's samples;
+* ``abs_sgd``: ``ABSSGDStrategy()`` at its defaults (every fast rank's
+  micro-batch starts a round, one optimizer step per global batch, the
+  linear scaling rule, weight prediction, the staleness rule ``"auto"``);
+  ``--target-samples``, ``--reference-samples``, ``--step-samples``,
+  ``--no-weight-prediction`` and ``--staleness-rule`` set the strategy's
+  options (``--target-samples 256 --reference-samples none --step-samples none
+  --no-weight-prediction --staleness-rule none``: the paper's rules at the
+  benchmark's earlier round size), ``--abs-batch-size`` its own micro-batch,
+  ``--adaptive`` adds ``AdaptiveBatchSize``. An epoch ends when the ranks
+  together have drawn the dataset's samples;
 * ``no_comm``: every rank trains alone on its shard. The bound: the ranks'
   summed samples/s while all four train (:func:`concurrent_speed`; the sum of
   each rank's speed over its own interval, the earlier definition, is
@@ -40,16 +51,15 @@ CPU seconds by thread (training loop, communication thread, gloo's and the
 store's threads) and prints abs_sgd's CPU per round. Writes
 ``results/heterogeneity.json`` and a PNG beside it.
 
-Why no momentum by default: a gradient applied one round late shrinks SGD's
-stable step size (on a quadratic of curvature ``l``: ``lr * l < 1`` instead of
-``< 2`` without momentum; with momentum 0.9, ``< 0.1`` instead of ``< 3.8``).
-With DDP's lr 0.05 and momentum 0.9 abs_sgd's loss spikes on the mlp task
-(``--model mlp --momentum 0.9 --lr 0.05`` shows it). ``--target-samples``
-trades throughput (fewer allreduces) against progress per sample (fewer,
-larger updates): ``benchmarks/delay_progress.py`` measures the second.
-
-``--reference-samples B`` gives abs_sgd the linear scaling rule per round
-(``ABSSGDStrategy(reference_samples=B)``); ``--abs-lr`` its own learning rate.
+Under momentum a gradient applied one round late shrinks SGD's stable step
+size (on a quadratic of curvature ``l``: ``lr * l < 1`` instead of ``< 2``
+without momentum; with momentum 0.9, ``< 0.1`` instead of ``< 3.8``): what the
+strategy's weight prediction and staleness rule are for (``--momentum 0``
+runs the earlier plain-SGD protocol). ``--target-samples`` trades throughput
+(fewer allreduces, each costing CPU on 2 cores) against progress per sample:
+with one step per global batch, the rounds per step decide how much of a
+step's gradient is a step old (abs_sgd's ``rounds`` beside its
+``global_step`` in the JSON). ``--abs-lr`` gives abs_sgd its own learning rate.
 The three fits run ``--repeats`` (3) times, interleaved; the report holds
 medians, each repeat's figures and the host's steal time per fit, and a fit
 during which the host stole more than ``--max-steal`` (5%) of the CPU runs
@@ -76,7 +86,7 @@ Run from the repository's root; the package need not be installed (the fits
 run as ``python -m benchmarks.heterogeneity --run NAME`` in that directory);
 matplotlib is optional (without it, no PNG).
 
-Run: ``python -m benchmarks.heterogeneity`` (about 5-6 minutes, on an idle machine);
+Run: ``python -m benchmarks.heterogeneity`` (about 3-4 minutes, on an idle machine);
 ``python -m benchmarks.heterogeneity --threads 3 --out benchmarks/results/heterogeneity_16core.json`` on 16 cores.
 """
 
@@ -123,7 +133,10 @@ from benchmarks.imbalance.task import (
 SPEED = (1.0, 1.0, 0.5, 0.25)
 CONFIGS = ("ddp", "abs_sgd", "no_comm")
 WINDOW = 10
+GLOBAL_BATCH = "global_batch"  # ABSSGDStrategy's value for reference_samples and step_samples
 MODELS = ("cnn", "mlp")
+#: Plain SGD's learning rates; with momentum ``mu`` the default is ``(1 - mu)`` of them (the same effective
+#: rate ``lr / (1 - mu)``); ``--lr`` overrides it.
 DEFAULT_LR = {"cnn": 0.4, "mlp": 0.15}
 #: ``--optimizer adamw``'s default learning rates (``--lr`` overrides them).
 ADAMW_LR = {"cnn": 0.003, "mlp": 0.001}
@@ -240,6 +253,10 @@ def run_worker(args: argparse.Namespace) -> int:
         ticks = None  # the machine's (steal, total) CPU ticks at the first batch
         cpu_first: dict[int, tuple[str, float]] = {}
         cpu_last: dict[int, tuple[str, float]] = {}
+        rounds: list[int]  # abs_sgd: the index of every round this rank saw complete
+
+        def __init__(self) -> None:
+            self.rounds = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if self.t_start is None:
@@ -258,15 +275,16 @@ def run_worker(args: argparse.Namespace) -> int:
     callbacks: list[Any] = [clock, LoadImbalance(speed=args.speed, log=False)]
     if args.run == "abs_sgd":
         if args.interval is not None:  # the "time" trigger
-            strategy: Any = lightning_partial.ABSSGDStrategy(trigger="time", interval=args.interval,
-                                                             reference_samples=args.reference_samples,
-                                                             staleness_rule=args.staleness_rule,
-                                                             weight_prediction=args.weight_prediction)
+            trigger: dict[str, Any] = {"trigger": "time", "interval": args.interval}
         else:
-            strategy = lightning_partial.ABSSGDStrategy(target_samples=args.target_samples,
-                                                        reference_samples=args.reference_samples,
-                                                        staleness_rule=args.staleness_rule,
-                                                        weight_prediction=args.weight_prediction)
+            trigger = {"target_samples": args.target_samples}
+        strategy: Any = lightning_partial.ABSSGDStrategy(**trigger, reference_samples=args.reference_samples,
+                                                         step_samples=args.step_samples,
+                                                         staleness_rule=args.staleness_rule,
+                                                         weight_prediction=args.weight_prediction)
+        # Rounds (not optimizer steps): with one step per global batch, rounds per step decide how much of a
+        # step's gradient was computed a step earlier.
+        strategy.round_listeners.append(lambda index, stats: clock.rounds.append(index))
         if args.adaptive:
             callbacks.append(AdaptiveBatchSize(window=8, log=False))
     elif args.run == "no_comm":
@@ -292,6 +310,7 @@ def run_worker(args: argparse.Namespace) -> int:
         "batches": len(model.trace),
         "trace": [(round(t - clock.t_start, 4), round(x, 5)) for t, x, _ in model.trace],
         "global_step": trainer.global_step,
+        "rounds": len(clock.rounds) if args.run == "abs_sgd" else None,
         "test_loss": test_loss,
         "test_acc": test_acc,
         "steal_fraction": steal,  # of the machine's CPU while this rank trained (/proc/stat is machine-wide)
@@ -316,6 +335,28 @@ def smoothed(trace: list[list[float]], window: int = WINDOW) -> list[tuple[float
 def train_samples(args: argparse.Namespace) -> int:
     """The dataset: one epoch of DDP's ``--steps`` steps of ``--batch-size`` on each of the 4 ranks."""
     return args.steps * 4 * args.batch_size
+
+
+def default_lr(args: argparse.Namespace) -> float:
+    """``--lr``'s default: AdamW's, or plain SGD's scaled by ``1 - momentum`` (the same effective rate)."""
+    if args.optimizer == "adamw":
+        return ADAMW_LR[args.model]
+    return round(DEFAULT_LR[args.model] * (1.0 - args.momentum), 6)
+
+
+def samples_option(value: str) -> int | str | None:
+    """``--reference-samples`` and ``--step-samples``: an integer >= 1, ``global_batch`` or ``none``."""
+    if value == GLOBAL_BATCH:
+        return value
+    if value == "none":
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, {GLOBAL_BATCH} or none, got {value!r}")
+    return number
 
 
 def micro_batch(args: argparse.Namespace, name: str) -> int:
@@ -386,13 +427,13 @@ def own_interval_speed(ranks: list[dict[str, Any]]) -> float:
 
 def worker_command(args: argparse.Namespace, name: str) -> list[str]:
     """The command line of configuration ``name``'s fit: every option the workers read, as the parent has it."""
-    optional = {"--target-samples": args.target_samples, "--interval": args.interval,
-                "--reference-samples": args.reference_samples, "--abs-lr": args.abs_lr,
+    optional = {"--target-samples": args.target_samples, "--interval": args.interval, "--abs-lr": args.abs_lr,
                 "--abs-batch-size": args.abs_batch_size}
     return [*module_command("benchmarks.heterogeneity"), "--run", name, "--model", args.model,
             "--workdir", str(args.workdir), "--seed", str(args.seed), "--steps", str(args.steps),
             "--batch-size", str(args.batch_size), "--speed", ",".join(map(str, args.speed)),
             *[item for option, value in optional.items() if value is not None for item in (option, str(value))],
+            "--reference-samples", str(args.reference_samples).lower(), "--step-samples", str(args.step_samples).lower(),
             "--adaptive" if args.adaptive else "--no-adaptive", "--lr", str(args.lr),
             "--momentum", str(args.momentum), "--optimizer", args.optimizer, "--staleness-rule", args.staleness_rule,
             "--weight-prediction" if args.weight_prediction else "--no-weight-prediction",
@@ -431,6 +472,7 @@ def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "test_acc": ranks[0]["test_acc"],
         "test_loss": ranks[0]["test_loss"],
         "global_step": ranks[0]["global_step"],
+        "rounds": ranks[0].get("rounds"),
         "thread_cpu_s": [r.get("thread_cpu_s") for r in ranks],
         "clock_check": [r.get("clock_check") for r in ranks],
         "torch_threads": [r["torch_threads"] for r in ranks],
@@ -469,7 +511,8 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             "ddp_vs_bound": ddp["samples_per_s"] / bound["samples_per_s"],
             "abs_time_to_ddp_final_loss_s": reach,
             "abs_time_to_ddp_final_loss_ratio": reach / ddp["wall_s"] if reach is not None else None,
-            "abs_samples_per_round": sum(abs_["samples"]) / max(abs_["global_step"], 1),
+            "abs_samples_per_step": sum(abs_["samples"]) / max(abs_["global_step"], 1),
+            "abs_samples_per_round": sum(abs_["samples"]) / max(abs_["rounds"] or 0, 1),
             "ddp_samples_per_step": sum(ddp["samples"]) / max(ddp["global_step"], 1),
         })
 
@@ -499,6 +542,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             "staleness_rule": args.staleness_rule, "weight_prediction": args.weight_prediction,
             "speed": args.speed, "target_samples": args.target_samples if args.interval is None else None,
             "interval": args.interval, "reference_samples": args.reference_samples,
+            "step_samples": args.step_samples,
             "adaptive": args.adaptive,
             "abs_epochs": args.abs_epochs, "steps": args.steps, "batch_size": args.batch_size,
             "abs_batch_size": args.abs_batch_size, "repeats": args.repeats, "threads": args.threads,
@@ -557,26 +601,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/lightning_partial_heterogeneity"))
     parser.add_argument("--speed", type=lambda v: tuple(float(x) for x in v.split(",")), default=SPEED,
                         help="per-rank speed factors (default 1,1,0.5,0.25)")
-    parser.add_argument("--target-samples", type=int, default=256,
-                        help="abs_sgd's target_samples (default 256: two of the fastest rank's micro-batches)")
+    parser.add_argument("--target-samples", type=int, default=None,
+                        help="abs_sgd's target_samples (default: the strategy's, its micro-batch: every fast rank's "
+                             "micro-batch starts a round; 256 was this benchmark's default before)")
     parser.add_argument("--interval", type=float, default=None,
                         help="abs_sgd with trigger='time' and this interval in seconds (instead of --target-samples)")
-    parser.add_argument("--reference-samples", type=int, default=None,
-                        help="abs_sgd's reference_samples (the linear scaling rule per round; default: none, "
-                             "the paper's sample-weighted mean)")
+    parser.add_argument("--reference-samples", type=samples_option, default=GLOBAL_BATCH,
+                        help="abs_sgd's reference_samples: an integer, global_batch (default, the strategy's: the "
+                             "linear scaling rule) or none (the paper's sample-weighted mean)")
+    parser.add_argument("--step-samples", type=samples_option, default=GLOBAL_BATCH,
+                        help="abs_sgd's step_samples: an integer, global_batch (default, the strategy's: one "
+                             "optimizer step per global batch) or none (one step per round, the paper's)")
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
                         help="abs_sgd with AdaptiveBatchSize (default: no; it costs throughput here, see docs/benchmarks.md)")
-    parser.add_argument("--abs-epochs", type=int, default=3,
-                        help="epochs abs_sgd trains (ddp and no_comm: one), to see when it reaches DDP's final loss")
+    parser.add_argument("--abs-epochs", type=int, default=1,
+                        help="epochs abs_sgd trains (ddp and no_comm: one; default 1, the same samples; more to see "
+                             "when it reaches DDP's final loss)")
     parser.add_argument("--model", choices=MODELS, default="cnn",
                         help="the task: cnn (default; much computation per parameter, as the paper's ResNet-18) or "
                              "mlp (the imbalance benchmark's; an allreduce costs as much CPU as a micro-batch)")
     parser.add_argument("--lr", type=float, default=None,
-                        help="the learning rate (SGD's default: 0.4 for cnn, 0.15 for mlp)")
+                        help="the learning rate (SGD's default: (1 - momentum) x 0.4 for cnn, x 0.15 for mlp)")
     parser.add_argument("--abs-lr", type=float, default=None,
                         help="abs_sgd's own learning rate (default: --lr); ddp and no_comm keep --lr")
-    parser.add_argument("--momentum", type=float, default=0.0,
-                        help="SGD's momentum; with --optimizer adamw, AdamW's beta1 (give 0.9)")
+    parser.add_argument("--momentum", type=float, default=0.9,
+                        help="SGD's momentum (default 0.9); with --optimizer adamw, AdamW's beta1")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
                         help="sgd (default) or adamw (betas (--momentum, 0.999), weight decay 0.01; --lr default "
                              "0.003 for cnn, 0.001 for mlp)")
@@ -600,7 +649,7 @@ def main() -> int:
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.lr is None:
-        args.lr = (ADAMW_LR if args.optimizer == "adamw" else DEFAULT_LR)[args.model]
+        args.lr = default_lr(args)
     if args.run is not None:
         return run_worker(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -628,7 +677,7 @@ def main() -> int:
               f"{fmt(m['final_loss'], '7.3f'):>7} {m['test_acc']:8.3f} {m['wall_s']:7.1f}")
     abs_cpu = report["results"]["abs_sgd"].get("thread_cpu_s")
     if abs_cpu and all(abs_cpu):
-        rounds = report["results"]["abs_sgd"]["global_step"]
+        rounds = report["results"]["abs_sgd"]["rounds"]
         per_round = {role: 1e3 * sum(c[role] for c in abs_cpu) / len(abs_cpu) / max(rounds, 1) for role in abs_cpu[0]}
         print("abs_sgd CPU per rank and round (ms; run with the median throughput): "
               + ", ".join(f"{role} {ms:.2f}" for role, ms in per_round.items()))

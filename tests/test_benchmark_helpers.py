@@ -38,6 +38,8 @@ def test_the_bound_window_starts_at_the_last_rank_to_step_and_must_exist():
     ["--model", "mlp", "--seed", "3", "--interval", "0.03", "--abs-lr", "0.25", "--abs-batch-size", "64",
      "--reference-samples", "512", "--adaptive", "--thread-cpu", "--momentum", "0.9", "--optimizer", "adamw",
      "--speed", "1,0.5"],
+    ["--target-samples", "256", "--reference-samples", "none", "--step-samples", "1024", "--momentum", "0",
+     "--no-weight-prediction", "--staleness-rule", "none"],
 ])
 def test_the_workers_get_every_option_the_parent_has(argv):
     parent = heterogeneity.build_parser().parse_args(argv)
@@ -49,6 +51,17 @@ def test_the_workers_get_every_option_the_parent_has(argv):
     for key, value in vars(parent).items():
         if key not in ("run", "repeats", "out", "max_steal", "steal_retries"):
             assert getattr(worker, key) == value, key
+
+
+def test_abs_sgd_runs_at_the_strategy_defaults_unless_told_and_bad_sample_options_fail():
+    args = heterogeneity.build_parser().parse_args([])
+    assert (args.target_samples, args.reference_samples, args.step_samples) == (None, "global_batch", "global_batch")
+    assert heterogeneity.default_lr(args) == 0.04  # plain SGD's 0.4 at momentum 0.9
+    paper = heterogeneity.build_parser().parse_args(["--reference-samples", "none", "--step-samples", "none"])
+    assert (paper.reference_samples, paper.step_samples) == (None, None)
+    for bad in ("0", "-3", "global", "1.5"):
+        with pytest.raises(SystemExit):
+            heterogeneity.build_parser().parse_args(["--step-samples", bad])
 
 
 def test_the_loss_curve_averages_the_same_samples_in_every_configuration():
