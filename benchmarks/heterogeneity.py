@@ -102,6 +102,7 @@ import platform
 import subprocess
 import threading
 import time
+from collections import Counter
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -311,6 +312,8 @@ def run_worker(args: argparse.Namespace) -> int:
         "trace": [(round(t - clock.t_start, 4), round(x, 5)) for t, x, _ in model.trace],
         "global_step": trainer.global_step,
         "rounds": len(clock.rounds) if args.run == "abs_sgd" else None,
+        # abs_sgd: this rank's trained samples per lag, in optimizer steps, at which they were applied.
+        "step_lags": strategy.step_lags.histogram(0) if args.run == "abs_sgd" else None,
         "test_loss": test_loss,
         "test_acc": test_acc,
         "steal_fraction": steal,  # of the machine's CPU while this rank trained (/proc/stat is machine-wide)
@@ -473,11 +476,33 @@ def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "test_loss": ranks[0]["test_loss"],
         "global_step": ranks[0]["global_step"],
         "rounds": ranks[0].get("rounds"),
+        "step_lags": [r.get("step_lags") for r in ranks],
         "thread_cpu_s": [r.get("thread_cpu_s") for r in ranks],
         "clock_check": [r.get("clock_check") for r in ranks],
         "torch_threads": [r["torch_threads"] for r in ranks],
         "steal_fraction": max(steals) if steals else None,  # the worst rank's training interval
         "curve": curve,
+    }
+
+
+def lag_figures(fits: list[list[dict[str, int] | None]]) -> dict[str, Any]:
+    """abs_sgd's step lags over its fits (each: per rank, samples per lag): each rank's mean, and the shares by lag.
+
+    The shares over all ranks are the mixture ``benchmarks.stability_model --lags`` reads: which
+    part of a step's gradient was computed how many optimizer steps before the weights it was applied to.
+    """
+    if not fits or any(h is None for fit in fits for h in fit):
+        return {}
+    hists: list[Counter[int]] = [Counter() for _ in fits[0]]
+    for fit in fits:
+        for rank, histogram in enumerate(fit):
+            for lag, samples in (histogram or {}).items():
+                hists[rank][int(lag)] += samples  # JSON keys are strings
+    pooled = sum(hists, Counter())
+    total = sum(pooled.values())
+    return {
+        "abs_step_lag_by_rank": [sum(k * n for k, n in h.items()) / max(h.total(), 1) for h in hists],
+        "abs_step_lag_shares": [pooled[k] / max(total, 1) for k in range(max(pooled, default=0) + 1)],
     }
 
 
@@ -537,6 +562,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
                               max((rep[key] for rep in per_repeat if rep[key] is not None), default=None)]
                         for key in per_repeat[0]}
     summary["per_repeat"] = per_repeat
+    summary.update(lag_figures([r["step_lags"] for r in runs["abs_sgd"]]))
     return {"model": args.model, "seed": args.seed, "optimizer": args.optimizer, "lr": args.lr, "abs_lr": args.abs_lr,
             "momentum": args.momentum,
             "staleness_rule": args.staleness_rule, "weight_prediction": args.weight_prediction,

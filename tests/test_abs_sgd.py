@@ -12,10 +12,11 @@ import torch
 
 import lightning_partial
 from lightning_partial import ABSSGDStrategy
-from lightning_partial.callbacks import AdaptiveBatchSize
+from lightning_partial.callbacks import AdaptiveBatchSize, StalenessTracker
 from tests.distributed import in_process_fit
 from lightning_partial.strategies.accumulation import ACCUMULATED_KEY
 from lightning_partial.strategies.prediction import LAST_UPDATE_KEY
+from lightning_partial.strategies.step_lag import StepLag
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY
 from tests.test_eager_sgd import FIT_ENV, assert_identical, fit_command
 
@@ -96,6 +97,10 @@ def test_fit_two_epochs_under_persistent_heterogeneity(tmp_path):
     # [16, 10, 12, 10] at the last one), since each follows the speeds measured in its own window.
     mean = [sum(s[1][r] for s in sizes) / len(sizes) for r in range(4)]
     assert mean[3] < min(mean[0], mean[1]), (mean, sizes)
+    # Every sample a rank trained was applied by some step (the final round applies what is left), once.
+    for record in records:
+        lags = {int(k): n for k, n in record["step_lags"].items()}
+        assert min(lags) >= 0 and sum(lags.values()) == sum(record["epoch_samples"]), (lags, record["epoch_samples"])
 
 
 @pytest.mark.timeout(300)
@@ -192,6 +197,47 @@ def test_spike_compensation_spares_the_first_step_and_retimes_every_later_one(tm
             expected = [w - lr * b - lr * gr / mu for w, b, gr in zip(weights, buffers, grads)]
         for a, e in zip(after, expected):
             assert torch.allclose(a, e, rtol=1e-5, atol=1e-6), (k, (a - e).abs().max())
+
+
+def test_step_lags_count_the_optimizer_steps_between_a_gradients_weights_and_its_step(tmp_path):
+    """One rank, a step per round (its global batch is its micro-batch): the first micro-batch is applied by
+    the first step, to the weights it was computed on (lag 0); every later one a step late (lag 1), the
+    last by the final round; every sample trained is counted once; StalenessTracker reports the lag."""
+    import lightning as L
+
+    batches = []
+
+    class Count(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            batches.append(len(batch[0]))
+
+    strategy, tracker = ABSSGDStrategy(), StalenessTracker(log=False)
+    _tiny_fit(strategy, tmp_path, max_steps=5, callbacks=[Count(), tracker])
+    # Five rounds and the final one; a micro-batch more when the main thread starts it before the
+    # communication thread has marked round 4 final.
+    assert len(batches) >= 6 and set(batches) == {8}
+    assert strategy.step_lags.histogram(0) == {0: 8, 1: 8 * (len(batches) - 1)}
+    assert strategy.step_lags.last(0) == 1.0
+    assert tracker.last[0]["step_lag"] == 1.0  # logged as partial/step_lag
+
+
+def test_step_lag_resolves_micro_batches_by_round_and_weights_them_by_samples():
+    """Several micro-batches per round (a fast rank), one spanning steps (a slow one): each is resolved by
+    the first step that includes its round, at steps - 1 - the steps before it."""
+    lags = StepLag()
+    lags.deposited(0, round_index=0, steps_before=0, samples=4)
+    lags.deposited(0, round_index=0, steps_before=0, samples=4)
+    lags.deposited(0, round_index=1, steps_before=0, samples=8)
+    lags.stepped(0, through_round=0, steps=1)  # round 0's two micro-batches, on time
+    assert lags.histogram(0) == {0: 8} and lags.last(0) == 0.0
+    lags.deposited(0, round_index=3, steps_before=1, samples=2)
+    lags.stepped(0, through_round=2, steps=3)  # round 1's micro-batch ran at step 0's weights: two steps late
+    assert lags.histogram(0) == {0: 8, 2: 8} and lags.last(0) == 2.0
+    lags.stepped(0, through_round=3, steps=4)
+    assert lags.histogram(0) == {0: 8, 2: 10} and lags.mean(0) == pytest.approx(20 / 18)
+    assert lags.last(1) is None and lags.histogram(1) == {}
+    lags.reset()
+    assert lags.histogram(0) == {} and lags.mean(0) is None
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,33 @@ def test_the_loss_curve_averages_the_same_samples_in_every_configuration():
     assert heterogeneity.smoothed(trace, 2) == [(1.0, 0.5), (2.0, 1.5), (3.0, 2.5), (4.0, 3.5)]
 
 
+def test_step_lags_pool_the_repeats_per_rank_and_share_the_samples_by_lag():
+    fits = [[{"0": 8, "1": 8}, {"1": 4, "2": 4}], [{"0": 8}, {"2": 8}]]  # two repeats of two ranks (JSON keys)
+    figures = heterogeneity.lag_figures(fits)
+    assert figures["abs_step_lag_by_rank"] == pytest.approx([8 / 24, 28 / 16])
+    assert figures["abs_step_lag_shares"] == pytest.approx([16 / 40, 12 / 40, 12 / 40])
+    assert heterogeneity.lag_figures([[None, None]]) == {}  # not abs_sgd
+
+
+def test_abs_sgd_fits_splits_its_arms_on_double_dashes_and_reads_seed_ranges():
+    from benchmarks.abs_sgd_fits import arm_options, seed_range
+
+    assert seed_range("0-3") == [0, 1, 2, 3] and seed_range("2,5") == [2, 5]
+    assert arm_options([]) == [[]]  # the defaults
+    assert arm_options(["--", "--adaptive"]) == [["--adaptive"]]
+    assert arm_options(["--", "--", "--adaptive", "--", "--lr", "0.1"]) == [[], ["--adaptive"], ["--lr", "0.1"]]
+
+
+def test_the_stability_model_reduces_to_its_uniform_delay_and_is_undelayed_when_all_is_on_time():
+    from benchmarks import stability_model as m
+
+    mu = 0.9
+    for h in (0.05, 0.2, 0.5, 2.0):
+        for rule in ("none", "spike"):  # every share one step late, no prediction: the uniform one-round delay
+            assert m.lagged(rule, h, mu, [0.0, 1.0], "none") == pytest.approx(m.uniform(rule, h, mu, 1))
+        assert m.lagged("none", h, mu, [1.0], "own") == pytest.approx(m.uniform("none", h, mu, 0))
+
+
 def test_cpu_by_role_sums_each_role_between_snapshots_and_counts_new_threads_whole():
     first = {1: ("main", 1.0), 2: ("communication", 0.5)}
     last = {1: ("main", 3.0), 2: ("communication", 0.75), 3: ("other", 0.25)}

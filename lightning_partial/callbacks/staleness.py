@@ -11,10 +11,14 @@ Contract:
   ``partial/fresh``, ``partial/staleness_mean``, ``partial/staleness_max``,
   ``partial/wait_ms``, ``partial/activator``, ``partial/contributions``,
   ``partial/discounted`` (the gradients' worth the staleness rule withheld
-  from the round, over all ranks), ``partial/round``; with suffix ``_<i>`` for optimizer index ``i > 0``.
+  from the round, over all ranks), ``partial/round``; under ``abs_sgd`` also
+  ``partial/step_lag``: how many optimizer steps late the latest step applied
+  this rank's micro-batches (0: on the weights they were computed on; its own
+  figure on each rank, a slow rank's the largest; see
+  :mod:`~lightning_partial.strategies.step_lag`); with suffix ``_<i>`` for optimizer index ``i > 0``.
   Through ``pl_module.log(on_step=True, on_epoch=False, sync_dist=False)``,
   so any Lightning logger (CSV, TensorBoard, W&B) receives them (loggers
-  write rank 0's view; only ``wait_ms`` differs between ranks); no collective.
+  write rank 0's view; only ``wait_ms`` and ``step_lag`` differ between ranks); no collective.
   Note that Lightning hands loggers the latest value of every step metric at
   each logged step: under manual optimization, an optimizer that did not step
   on a batch shows its previous round again (``partial/round_<i>`` tells).
@@ -186,6 +190,16 @@ class StalenessTracker(Callback):
             new.append((index, stats))
         return new
 
+    @staticmethod
+    def _figures(trainer: "pl.Trainer", index: int, stats: RoundStats) -> dict[str, float]:
+        """The round's figures, and ``step_lag`` where the strategy measures one (``abs_sgd``)."""
+        figures = round_metrics(stats)
+        lags = getattr(trainer.strategy, "step_lags", None)
+        lag = lags.last(index) if lags is not None else None
+        if lag is not None:
+            figures["step_lag"] = lag
+        return figures
+
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
@@ -206,7 +220,7 @@ class StalenessTracker(Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         for index, stats in self._new_rounds(trainer):
-            figures = round_metrics(stats)
+            figures = self._figures(trainer, index, stats)
             self.last[index] = figures
             if not self.log:
                 continue
@@ -220,4 +234,4 @@ class StalenessTracker(Callback):
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # The strategy's final flush runs after the callbacks' on_train_end: count it here.
         for index, stats in self._new_rounds(trainer):
-            self.last[index] = round_metrics(stats)
+            self.last[index] = self._figures(trainer, index, stats)

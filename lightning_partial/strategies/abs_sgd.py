@@ -15,7 +15,10 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   the last round's update is added to the weights, and after its backward pass
   the weights are restored from a copy (exactly, so replicas stay identical).
   The mechanism is :mod:`~lightning_partial.strategies.prediction`'s, shared
-  with ``eager_sgd``; the last update is kept in checkpoints.
+  with ``eager_sgd``; the last update is kept in checkpoints. How late each
+  micro-batch is in optimizer steps (a fast rank's often 0, a slow rank's
+  full micro-batch 2 or 3) is measured per rank in :attr:`ABSSGDStrategy.step_lags`
+  (:mod:`~lightning_partial.strategies.step_lag`; ``StalenessTracker`` logs it).
 * **One optimizer step per global batch** (``step_samples="global_batch"``):
   the results are added (:mod:`~lightning_partial.strategies.accumulation`)
   until the rounds since the last step hold the samples of a synchronous
@@ -84,6 +87,7 @@ from lightning_partial.strategies.options import StrategyOptions
 from lightning_partial.strategies.fit_state import FitState
 from lightning_partial.strategies.partial import PartialStrategy, StepModel
 from lightning_partial.strategies.prediction import LAST_UPDATE_KEY  # noqa: F401 - where it was first defined
+from lightning_partial.strategies.step_lag import StepLag
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +242,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self._last_rounds: dict[int, int] = {}  # agreed at the end of fit
         # The ModelCheckpoint(every_n_train_steps=n) callbacks this strategy triggers.
         self._step_checkpoints: list[_StepCheckpoint] = []
+        #: How many optimizer steps late this rank's micro-batches are applied (a diagnostic: StalenessTracker
+        #: logs it as partial/step_lag; main thread only).
+        self.step_lags = StepLag()
 
     # ---------------------------------------------------------------- set-up
     @override
@@ -417,6 +424,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         """The micro-batch (closure), its deposit, then one optimizer step per round result now due."""
         params = self._params[index]
         prediction = self._prediction_in_force()
+        steps_before = self._accumulator.steps(index)  # the weights this micro-batch's gradient is computed on
         if prediction is None:
             output = closure()
         else:
@@ -427,7 +435,10 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                 output = closure()
             prediction.release(index, saved)  # not held while the results are applied
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        results = self._engines[index].deposit(grads, samples=max(self._batch_samples, 1))
+        engine = self._engines[index]
+        samples = max(self._batch_samples, 1)
+        results = engine.deposit(grads, samples=samples)
+        self.step_lags.deposited(index, engine.deposit_round, steps_before, samples)
         steps = self._apply(index, optimizer, results, model)
         _compat.add_optimizer_steps(self._trainer, steps - 1)
         if not steps:
@@ -472,6 +483,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             before = prediction.begin(index, params) if prediction is not None else None
             optimizer.step()
             steps += 1
+            self.step_lags.stepped(index, result.stats.round_index, accumulator.steps(index))
             # From the gradients as clipped (weight * g after clipping): the same direction and scale.
             compensation.compensate_step(optimizer, weights, params, staleness)
             if prediction is not None and before is not None:
@@ -515,6 +527,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        self.step_lags.reset()
         trainer = self._trainer
         if self._engines:
             _compat.step_schedulers_by_rounds(trainer)

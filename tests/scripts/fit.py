@@ -324,6 +324,9 @@ def main() -> None:
     last = getattr(trainer.strategy, "round_stats", {}).get(0)
     record["last_round"] = {"round": last.round_index, "flush": last.flush, "contributions": last.contributions} \
         if last is not None else None
+    lags = getattr(trainer.strategy, "step_lags", None)
+    if lags is not None:
+        record["step_lags"] = {str(lag): n for lag, n in lags.histogram(0).items()}
     if adaptive is not None:
         record["adaptive"] = [[r, list(sizes)] for r, sizes in adaptive.history]
     if rotation is not None:
