@@ -93,6 +93,7 @@ Run: ``python -m benchmarks.heterogeneity`` (about 3-4 minutes, on an idle machi
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import logging
@@ -127,6 +128,7 @@ from benchmarks.imbalance.task import (
     BatchDataset,
     batch_collate,
     build_mlp,
+    cosine_factor,
     evaluate,
     make_task,
 )
@@ -246,8 +248,16 @@ def run_worker(args: argparse.Namespace) -> int:
             lr = args.abs_lr if args.run == "abs_sgd" and args.abs_lr is not None else args.lr
             if args.optimizer == "adamw":
                 # beta1 = --momentum, as the imbalance benchmark's: the coefficient the staleness rule reads.
-                return torch.optim.AdamW(self.parameters(), lr=lr, betas=(args.momentum, 0.999), weight_decay=0.01)
-            return torch.optim.SGD(self.parameters(), lr=lr, momentum=args.momentum)
+                optimizer: torch.optim.Optimizer = torch.optim.AdamW(self.parameters(), lr=lr,
+                                                                     betas=(args.momentum, 0.999), weight_decay=0.01)
+            else:
+                optimizer = torch.optim.SGD(self.parameters(), lr=lr, momentum=args.momentum)
+            if args.lr_schedule == "constant":
+                return optimizer
+            # To 0 over DDP's steps (--steps), per optimizer step: abs_sgd steps it per optimizer step, not per
+            # micro-batch; each no-communication rank takes as many steps over its shard.
+            cosine = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(cosine_factor, steps=args.steps))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cosine, "interval": "step"}}
 
     class Clock(L.Callback):
         t_start = t_end = None
@@ -439,6 +449,7 @@ def worker_command(args: argparse.Namespace, name: str) -> list[str]:
             "--reference-samples", str(args.reference_samples).lower(), "--step-samples", str(args.step_samples).lower(),
             "--adaptive" if args.adaptive else "--no-adaptive", "--lr", str(args.lr),
             "--momentum", str(args.momentum), "--optimizer", args.optimizer, "--staleness-rule", args.staleness_rule,
+            "--lr-schedule", args.lr_schedule,
             "--weight-prediction" if args.weight_prediction else "--no-weight-prediction",
             "--abs-epochs", str(args.abs_epochs), "--threads", str(args.threads),
             *(["--thread-cpu"] if args.thread_cpu else [])]
@@ -564,7 +575,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     summary["per_repeat"] = per_repeat
     summary.update(lag_figures([r["step_lags"] for r in runs["abs_sgd"]]))
     return {"model": args.model, "seed": args.seed, "optimizer": args.optimizer, "lr": args.lr, "abs_lr": args.abs_lr,
-            "momentum": args.momentum,
+            "momentum": args.momentum, "lr_schedule": args.lr_schedule,
             "staleness_rule": args.staleness_rule, "weight_prediction": args.weight_prediction,
             "speed": args.speed, "target_samples": args.target_samples if args.interval is None else None,
             "interval": args.interval, "reference_samples": args.reference_samples,
@@ -655,6 +666,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
                         help="sgd (default) or adamw (betas (--momentum, 0.999), weight decay 0.01; --lr default "
                              "0.003 for cnn, 0.001 for mlp)")
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                        help="constant (default) or cosine to 0 over DDP's --steps optimizer steps, for every configuration")
     parser.add_argument("--weight-prediction", action=argparse.BooleanOptionalAction, default=True,
                         help="abs_sgd's weight_prediction (default: on, the strategy's default; the results "
                              "recorded before the option existed ran without it)")

@@ -39,7 +39,7 @@ def test_the_bound_window_starts_at_the_last_rank_to_step_and_must_exist():
      "--reference-samples", "512", "--adaptive", "--thread-cpu", "--momentum", "0.9", "--optimizer", "adamw",
      "--speed", "1,0.5"],
     ["--target-samples", "256", "--reference-samples", "none", "--step-samples", "1024", "--momentum", "0",
-     "--no-weight-prediction", "--staleness-rule", "none"],
+     "--no-weight-prediction", "--staleness-rule", "none", "--lr-schedule", "cosine"],
 ])
 def test_the_workers_get_every_option_the_parent_has(argv):
     parent = heterogeneity.build_parser().parse_args(argv)
