@@ -12,7 +12,8 @@ Torch's SGD: ``v <- mu v + g``, ``x <- x - lr v``. Two ways gradients come late:
   lags: ``--lags``, the heterogeneity benchmark's ``abs_step_lag_shares``),
   with linear weight prediction by ``c`` steps (0: none; 1: ``abs_sgd``'s;
   ``k``: each share by its own lag) and ``abs_sgd``'s spike compensation of
-  the whole step (``mu g`` into the buffer, ``g`` applied at once) or none.
+  the whole step (``mu g`` into the buffer, ``g`` applied at once) or none;
+  and, for the first mixture, less momentum at the user's ``lr / (1 - mu)``.
 
 For each rule (:mod:`lightning_partial.collectives.staleness`) the script
 builds the linear recurrence and reports the largest ``h`` (scanned from 0)
@@ -135,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
                              "largest_stable_h": largest_stable(
                                  lambda h, rule=rule, shares=shares, prediction=prediction:
                                  lagged(rule, h, mu, shares, prediction), top=5.0, points=5_000)})
+    # Less explicit momentum for late gradients (Mitliagkas et al., 2016: asynchrony acts as momentum), at the same
+    # lr / (1 - momentum) as the user's: the optimizer's lr is h (1 - m) / (1 - mu), h in the user's units.
+    for label, shares in mixtures[:1]:
+        for m in (0.8, 0.5, 0.0):
+            rows.append({"delay": f"step lags {label}", "rule": f"spike, prediction one, momentum {m:g}",
+                         "largest_stable_h": largest_stable(
+                             lambda h, shares=shares, m=m: lagged("spike", h * (1 - m) / (1 - mu), m, shares, "one"),
+                             top=5.0, points=5_000)})
     print(f"SGD momentum {mu}: largest stable lr * curvature (undelayed: {on_time:.3f})")
     for row in rows:
         print(f"  {row['delay']:<48} {row['rule']:<25} {row['largest_stable_h']:.3f}")
