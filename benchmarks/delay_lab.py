@@ -13,7 +13,10 @@ late, the way a strategy's rounds deliver them:
   every gradient is computed at ``w + pred * u``, ``u`` the last update;
 * ``late_weight``: the factor of a late gradient (``"inverse"``: 0.5);
 * ``retime``: the late gradients' spike compensation through Adam's moments
-  (:func:`lightning_partial.strategies.compensation.retime_adam`, the library's).
+  (:func:`lightning_partial.strategies.compensation.retime_adam`, the library's);
+* ``sync_first``, ``sync_last``: the fraction of the steps, at the start or at
+  the end of the fit, in which every gradient is fresh (the strategies'
+  ``final_sync``); the gradients pending at the switch arrive at its first step.
 
 It isolates the update rule from the transport, the timing and the host: a
 fit is a pure function of its seed. Fits run two at a time, one thread each::
@@ -46,6 +49,8 @@ class Setting:
     pred: float = 0.0
     late_weight: float = 1.0
     retime: bool = False
+    sync_first: float = 0.0
+    sync_last: float = 0.0
 
 
 SETTINGS: dict[str, Setting] = {
@@ -59,6 +64,11 @@ SETTINGS: dict[str, Setting] = {
     "solo_pred_inverse": Setting(fresh=1, pred=1.0, late_weight=0.5),
     "solo_pred_none": Setting(fresh=1, pred=1.0),
     "solo_pred2_inverse": Setting(fresh=1, pred=2.0, late_weight=0.5),
+    # A synchronous phase at the start or at the end (the strategies' final_sync): benchmarks/results/delay_lab_finish.json.
+    **{f"late_pr_{where}{pct}": Setting(fresh=0, pred=1.0, retime=True, **{f"sync_{where}": pct / 100})
+       for where, pcts in (("first", (10, 25)), ("last", (3, 5, 10, 25))) for pct in pcts},
+    **{f"solo_pi_{where}{pct}": Setting(fresh=1, pred=1.0, late_weight=0.5, **{f"sync_{where}": pct / 100})
+       for where, pcts in (("first", (10, 25)), ("last", (3, 5, 10, 25))) for pct in pcts},
 }
 
 
@@ -104,17 +114,21 @@ def fit(name: str, seed: int, epochs: int = 8) -> dict:
     steps_per_epoch = len(train) // (WORKERS * BATCH)
     last_update, pending, losses = None, None, []
     started = time.perf_counter()
-    for _ in range(epochs):
+    total = epochs * steps_per_epoch
+    for epoch in range(epochs):
         perm = torch.randperm(len(train), generator=order).tolist()
         for s in range(steps_per_epoch):
             idx = perm[s * WORKERS * BATCH:(s + 1) * WORKERS * BATCH]
             shift = [u * setting.pred for u in last_update] if setting.pred and last_update is not None else None
             fresh = [torch.zeros_like(p) for p in params]
             late = [torch.zeros_like(p) for p in params]
+            t = epoch * steps_per_epoch + s
+            synchronous = t < setting.sync_first * total or t >= (1 - setting.sync_last) * total
+            on_time = WORKERS if synchronous else setting.fresh
             for w in range(WORKERS):
                 grads, loss = gradient(pad_pairs([train[i] for i in idx[w * BATCH:(w + 1) * BATCH]]), shift)
                 losses.append(loss)
-                torch._foreach_add_(fresh if w < setting.fresh else late, grads, alpha=1.0 / WORKERS)
+                torch._foreach_add_(fresh if w < on_time else late, grads, alpha=1.0 / WORKERS)
             arriving = pending
             pending = late  # applied at the next step
             if arriving is not None:

@@ -207,14 +207,17 @@ def fit_identical(out: Path, *options: str) -> list[dict]:
 def test_staleness_rule_under_momentum_keeps_replicas_identical_and_counts_what_it_withholds(tmp_path):
     """SGD momentum 0.9, unbounded staleness, one straggler per step: the default rule ("auto") resolves to
     "inverse", late gradients are weighted (their withheld share counted in the tracker's summary, the same
-    on every rank) and the replicas end bit-identical."""
-    records = fit_identical(tmp_path / "run", "--strategy", "eager_sgd", "--strategy-kw", '{"max_staleness": null}',
+    on every rank) and the replicas end bit-identical. With ``final_sync=0.2`` the last 6 of the 30 rounds
+    are synchronous (and the flush, which finds nothing left)."""
+    records = fit_identical(tmp_path / "run", "--strategy", "eager_sgd", "--strategy-kw",
+                            '{"max_staleness": null, "final_sync": 0.2}',
                             "--momentum", "0.9", "--straggle-ms", "25", "--steps", "30", "--track")
     assert all(r["staleness_weights"] == {"rule": "inverse", "momentum": 0.0, "dampening": 0.0} for r in records)
     summaries = [r["staleness"]["0"] for r in records]
     assert summaries[0]["staleness_max"] > 0, "no gradient was late: the test proves nothing"
     assert summaries[0]["discounted_total"] > 0
     assert len({s["discounted_total"] for s in summaries}) == 1
+    assert [s["synchronous"] for s in summaries] == [7] * 4, summaries
 
 
 def test_a_momentum_rule_without_momentum_fails_at_setup(tmp_path):

@@ -342,6 +342,30 @@ def test_sync_every_makes_periodic_rounds_synchronous():
             assert r.stats.synchronous and r.stats.fresh == (0, 1, 2, 3)
 
 
+def test_sync_from_makes_every_later_round_synchronous_and_applies_every_carried_gradient():
+    """The synchronous finish: from round ``sync_from`` on, every round holds every rank's fresh gradient, and
+    the first of them also every gradient still carried; nothing computed is lost (integers: exact)."""
+    steps, sync_from = 24, 16
+    per_rank = train_loop(
+        config(mode="solo", sync_from=sync_from, normalize="sum"),
+        steps=steps,
+        grad=integer_grad,
+        delay=lambda rank, step, rng: time.sleep(0.004 if rank == 3 else 0.0),
+    )
+    results = per_rank[0][1][:-1]  # the flush is last
+    partial = sum(r.stats.fresh != (0, 1, 2, 3) for r in results[:sync_from])
+    assert partial > 0, "every round before the finish was complete: the test exercises nothing"
+    for r in results[sync_from:]:
+        assert r.stats.synchronous and r.stats.activator == -1 and r.stats.fresh == (0, 1, 2, 3)
+    for r in results[sync_from + 1:]:
+        # Every carried gradient went into the first synchronous round: the later ones hold exactly this step's.
+        assert torch.equal(r.tensors[0], sum(sent[r.round_index] for sent, _ in per_rank))
+    assert per_rank[0][1][-1].tensors[0].abs().sum() == 0  # the flush finds nothing left
+    assert torch.equal(sum(r.tensors[0] for r in per_rank[0][1]), sum(g for sent, _ in per_rank for g in sent))
+    for _, rank_results in per_rank[1:]:  # every rank applies the same rounds
+        assert all(torch.equal(a.tensors[0], b.tensors[0]) for a, b in zip(rank_results, per_rank[0][1]))
+
+
 def test_several_tensors_and_dtypes():
     like = [torch.zeros(3, 2), torch.zeros(4, dtype=torch.float64), torch.zeros(1)]
 
@@ -606,6 +630,8 @@ class TestBadInput:
             (dict(normalize="mean"), "unknown normalize"),
             (dict(max_staleness=-1), "max_staleness must be an integer >= 0"),
             (dict(sync_every=0), "sync_every must be an integer >= 1"),
+            (dict(sync_from=-1), "sync_from must be an integer >= 0"),
+            (dict(sync_from=2.5), "sync_from must be an integer >= 0"),
             (dict(timeout=timedelta(0)), "timeout must be a positive"),
             (dict(timeout=5), "timeout must be a positive"),
             (dict(setup_timeout=timedelta(seconds=-1)), "setup_timeout must be a positive"),

@@ -302,3 +302,19 @@ def test_global_batch_scaling_applies_to_the_adam_family_on_more_than_one_rank()
     assert resolve("auto", sgd, world_size=4, owner="x") is False  # averaged SGD steps already are DDP's
     with pytest.raises(ValueError, match=r"x: adaptive_scaling='global_batch' reads Adam's moments"):
         resolve("global_batch", sgd, world_size=4, owner="x")
+
+
+def test_the_synchronous_finish_covers_the_last_fraction_of_the_steps(caplog):
+    """``final_sync=f`` of ``T`` steps: rounds ``T - ceil(f T)`` .. ``T - 1`` are synchronous (at least one); off at
+    0; a fit of unknown length (Lightning's ``inf``) runs without it and says so on rank 0 only."""
+    from lightning_partial.strategies.final_sync import first_sync_round
+
+    assert first_sync_round(0.1, 256, owner="eager_sgd") == 230  # 26 rounds: 230..255
+    assert first_sync_round(0.05, 256, owner="eager_sgd") == 243
+    assert first_sync_round(0.001, 30, owner="eager_sgd") == 29  # never none at all
+    assert first_sync_round(0.0, 256, owner="eager_sgd") is None
+    with caplog.at_level("WARNING"):
+        assert first_sync_round(0.1, float("inf"), owner="wagma_sgd", rank=1) is None
+        assert not caplog.records
+        assert first_sync_round(0.1, float("inf"), owner="wagma_sgd", rank=0) is None
+    assert "wagma_sgd: final_sync=0.1 needs the fit's length" in caplog.text

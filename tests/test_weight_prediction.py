@@ -122,18 +122,20 @@ def test_the_update_rule_is_logged_as_hyperparameters(tmp_path, name, rule, pred
 @pytest.mark.timeout(120)
 def test_overlap_is_logged_with_its_retiming(tmp_path):
     """With overlap every result is applied a step late, at any world size: prediction is in force at one rank,
-    and the step's re-timing under SGD momentum (spike compensation) is logged beside the rule."""
+    and the step's re-timing under SGD momentum (spike compensation) is logged beside the rule, as is the
+    synchronous finish (its last rounds synchronous: one rank's are anyway)."""
     import yaml
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_partial.callbacks import StalenessTracker
 
-    model = recorded_fit(EagerSGDStrategy(overlap=True), tmp_path, inputs=3, outputs=1, samples=32,
+    model = recorded_fit(EagerSGDStrategy(overlap=True, final_sync=0.25), tmp_path, inputs=3, outputs=1, samples=32,
                          optimizer=lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
                          logger=CSVLogger(tmp_path, name="csv"), callbacks=[StalenessTracker()])
     hparams = yaml.safe_load((tmp_path / "csv" / "version_0" / "hparams.yaml").read_text())
     assert hparams["partial/overlap"] is True
     assert hparams["partial/overlap_retiming"] == "momentum"
+    assert hparams["partial/final_sync"] == 0.25
     assert hparams["partial/weight_prediction"] is True
     # The first step applied nothing (no round was complete): the second batch saw the initial weights.
     assert torch.equal(model.actual[1], model.initial)

@@ -73,6 +73,10 @@ class PartialAllreduceConfig(EngineBounds):
             ``"sum"`` returns the plain sum (what ``dist.all_reduce`` returns).
         sync_every: if set, every ``sync_every``-th round (rounds ``n-1, 2n-1, ...``)
             is fully synchronous: it activates only once every rank has arrived.
+        sync_from: if set, every round from index ``sync_from`` on is fully
+            synchronous, as a ``sync_every`` round (a fit's synchronous finish:
+            its last rounds apply every rank's fresh gradient and nothing late).
+            Every rank must configure the same index.
         max_staleness: if set to ``s``, round ``r`` activates only once every rank
             has arrived at step ``r - s``. Hence every gradient is applied at most
             ``s`` rounds after the step that computed it, and no rank arrives more
@@ -115,6 +119,7 @@ class PartialAllreduceConfig(EngineBounds):
     late: LatePolicy = "carry"
     normalize: Normalize = "world"
     sync_every: Optional[int] = None
+    sync_from: Optional[int] = None
     max_staleness: Optional[int] = None
     staleness: StalenessWeights = StalenessWeights()
     seed: int = 0
@@ -145,6 +150,7 @@ class PartialAllreduceConfig(EngineBounds):
         if self.normalize not in NORMALIZATIONS:
             raise ValueError(f"unknown normalize {self.normalize!r}: expected one of {', '.join(NORMALIZATIONS)}")
         check_int("sync_every", self.sync_every, optional=True)
+        check_int("sync_from", self.sync_from, minimum=0, optional=True)
         check_int("max_staleness", self.max_staleness, minimum=0, optional=True)
         if not isinstance(self.staleness, StalenessWeights):
             raise ValueError(f"staleness must be a StalenessWeights, got {type(self.staleness).__name__}")
@@ -184,5 +190,7 @@ class PartialAllreduceConfig(EngineBounds):
         return None
 
     def is_sync_round(self, round_index: int) -> bool:
-        """Whether round ``round_index`` is a periodic fully-synchronous one."""
+        """Whether round ``round_index`` is fully synchronous: a periodic one, or one of the synchronous finish."""
+        if self.sync_from is not None and round_index >= self.sync_from:
+            return True
         return self.sync_every is not None and (round_index + 1) % self.sync_every == 0

@@ -19,7 +19,7 @@ class RoundStats:
             synchronous round, which every rank's arrival activates.
         initiator: the round's initiator in ``"majority"`` mode, else ``None``.
         synchronous: the round waited for every rank (``sync`` mode, a
-            ``sync_every`` round, or the final flush).
+            ``sync_every`` round, a round from ``sync_from`` on, or the final flush).
         flush: the round is a final flush.
         stop: some rank requested a stop (``request_stop``): this is the last round.
         fresh: ranks whose gradient of this very step was in the round.

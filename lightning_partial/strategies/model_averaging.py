@@ -29,7 +29,6 @@ for set-up, SIGTERM, checkpoints and the end of fit. Specific to model averaging
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -99,6 +98,11 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
             :mod:`~lightning_partial.strategies.adaptive_scaling`); refused at set-up for
             other optimizers. ``"none"``: the reference codes' local steps. SGD needs no
             scaling: its averaged local steps are DDP's.
+        final_sync: the fraction of the fit's optimizer steps, at its end, whose rounds are
+            synchronous global averages (every rank's model of this very step), as
+            ``EagerSGDStrategy``'s (:mod:`~lightning_partial.strategies.final_sync`).
+            ``0.05`` (default; measured in ``docs/staleness.md#the-synchronous-finish``);
+            ``0.0``: every round as ``mode`` and ``global_every`` say (the reference codes').
         seed: seed of the majority initiator RNG and of the shuffle schedule.
         schedule: a :class:`~lightning_partial.collectives.schedules.Schedule`, or a
             callable ``world_size -> Schedule``; default: the subclass's.
@@ -121,11 +125,13 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         max_staleness: Optional[int] = None,
         measure_every: Optional[int] = None,
         adaptive_scaling: str = "auto",
+        final_sync: float = 0.05,
         seed: int = 0,
         schedule: Optional[ScheduleSource] = None,
         **kwargs: Unpack[StrategyOptions],
     ) -> None:
         super().__init__(**kwargs)
+        self._set_final_sync(final_sync)
         self.adaptive_scaling = scaling_rule.check_scaling(adaptive_scaling, owner=self.strategy_name)
         if normalize not in AVERAGE_NORMALIZATIONS:
             raise ValueError(f"unknown normalize {normalize!r}: expected one of {', '.join(AVERAGE_NORMALIZATIONS)}")
@@ -225,7 +231,7 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         if self.schedule is None:
             self.schedule = self.build_schedule(self.world_size)
         return GroupAverage(
-            replace(self.partial_config, name=f"{self.strategy_name}-{index}"),
+            self._round_config(name=f"{self.strategy_name}-{index}"),
             schedule=self.schedule,
             store=store,
             rank=self.global_rank,

@@ -57,5 +57,6 @@ class AveragingOptions(StrategyOptions, total=False):
     order: str
     measure_every: Optional[int]
     adaptive_scaling: str
+    final_sync: float
     seed: int
     schedule: Optional[ScheduleSource]

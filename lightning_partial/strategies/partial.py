@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 from abc import abstractmethod
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Callable, ClassVar, Generic, Optional, Protocol, Sequence, TypeVar, Union
 
@@ -54,6 +55,7 @@ from lightning_partial.collectives.checks import check_timedelta
 from lightning_partial.collectives.liveness import Heartbeat
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, gather_engine_states, resume_entry, state_for_rank
+from lightning_partial.strategies.final_sync import check_final_sync, first_sync_round
 from lightning_partial.strategies.fit_state import FitState
 from lightning_partial.strategies.options import ProcessGroupOptions
 from lightning_partial.strategies.prediction import WeightPrediction
@@ -554,6 +556,27 @@ class ConfiguredStrategy(PartialStrategy[EngineT]):
     """
 
     partial_config: PartialAllreduceConfig
+    #: The fraction of the fit's optimizer steps, at its end, run as synchronous rounds
+    #: (:mod:`~lightning_partial.strategies.final_sync`); set with :meth:`_set_final_sync`.
+    final_sync: float = 0.0
+
+    def _set_final_sync(self, final_sync: float) -> None:
+        self.final_sync = check_final_sync(final_sync, owner=self.strategy_name)
+
+    def _round_config(self, **changes: Any) -> PartialAllreduceConfig:
+        """The engine's configuration for this fit: :attr:`partial_config`, ``changes``, and ``sync_from``.
+
+        ``sync_from`` places the synchronous finish (``final_sync``) against
+        ``trainer.estimated_stepping_batches``: the same round on every rank.
+        """
+        sync_from = first_sync_round(self.final_sync, self._trainer.estimated_stepping_batches,
+                                     owner=self.strategy_name, rank=self.global_rank) if self.final_sync else None
+        return replace(self.partial_config, sync_from=sync_from, **changes)
+
+    @override
+    def update_rule(self) -> dict[str, Any]:
+        """:meth:`PartialStrategy.update_rule`, and ``final_sync``: the fraction of the fit run as synchronous rounds."""
+        return {**super().update_rule(), "final_sync": self.final_sync}
 
     @property
     @override

@@ -1,0 +1,58 @@
+"""The synchronous finish: a fit's last rounds wait for every rank, so that it ends on fresh gradients.
+
+A strategy that lets fast ranks go on applies late gradients (``eager_sgd``) or
+averages stale models (``wagma_sgd``, ``ds_sync``) at every round. At a
+constant learning rate that leaves the final weights further from where DDP's
+would settle: the late contributions keep the iterate moving, under momentum
+and Adam most of all. ``final_sync=f`` makes the last ``f`` of the fit's
+optimizer steps fully synchronous rounds (every rank arrives; the pending late
+gradients are applied in the first of them; a model-averaging round is a
+global average): the fit ends as DDP's would from where the fast phase left
+it. It costs the straggler's wait for those rounds only. The measurement that
+chose the default is in ``docs/staleness.md#the-synchronous-finish``.
+
+The rounds are counted against ``trainer.estimated_stepping_batches`` (the
+fit's optimizer steps, from its first step, so a resumed fit finishes at the
+same rounds); every rank computes the same first synchronous round, the
+engine's ``PartialAllreduceConfig.sync_from``. A fit whose length Lightning
+cannot estimate (``max_time`` only, or an iterable data set without a length)
+runs without it, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+
+def check_final_sync(value: object, *, owner: str) -> float:
+    """``value`` as a float in ``[0, 1)``; raises ``ValueError`` naming ``final_sync`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0.0 <= value < 1.0:
+        raise ValueError(
+            f"{owner}: final_sync must be a fraction of the fit's optimizer steps in [0, 1) (0: off), got {value!r}"
+        )
+    return float(value)
+
+
+def first_sync_round(final_sync: float, total_steps: object, *, owner: str, rank: int = 0) -> Optional[int]:
+    """The first round of the synchronous finish for a fit of ``total_steps`` optimizer steps, or ``None``.
+
+    ``ceil(final_sync * total_steps)`` rounds are synchronous (at least one when
+    ``final_sync > 0``). ``None`` when it is off, or when ``total_steps`` is not
+    a finite count (Lightning's estimate of an unbounded fit), with a warning on rank 0.
+    """
+    if final_sync <= 0.0:
+        return None
+    if isinstance(total_steps, bool) or not isinstance(total_steps, (int, float)) or not math.isfinite(total_steps) \
+            or total_steps < 1:
+        if rank == 0:
+            log.warning("%s: final_sync=%s needs the fit's length in optimizer steps, which Lightning estimates "
+                        "as %r (set max_steps or max_epochs): the fit runs without its synchronous finish",
+                        owner, final_sync, total_steps)
+        return None
+    total = int(total_steps)
+    return max(total - math.ceil(final_sync * total), 0)
