@@ -8,8 +8,10 @@ and Adam most of all. ``final_sync=f`` makes the last ``f`` of the fit's
 optimizer steps fully synchronous rounds (every rank arrives; the pending late
 gradients are applied in the first of them; a model-averaging round is a
 global average): the fit ends as DDP's would from where the fast phase left
-it. It costs the straggler's wait for those rounds only. The measurement that
-chose the default is in ``docs/staleness.md#the-synchronous-finish``.
+it. It costs the straggler's wait for those rounds only. ``eager_sgd`` keeps
+its weight prediction there (a fresh gradient at the predicted weights is a
+look-ahead gradient, as Nesterov's). The measurement that chose the default
+is in ``docs/staleness.md#the-synchronous-finish``.
 
 The rounds are counted against ``trainer.estimated_stepping_batches`` (the
 fit's optimizer steps, from its first step, so a resumed fit finishes at the
