@@ -36,7 +36,6 @@ Contract:
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from collections import deque
@@ -49,7 +48,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_partial.collectives.checks import check_int
+from lightning_partial.collectives.checks import check_int, is_finite_number
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +127,7 @@ class LoadImbalance(Callback):
         history: int = 100_000,
     ) -> None:
         super().__init__()
-        if isinstance(delay_ms, bool) or not isinstance(delay_ms, (int, float)) or not math.isfinite(delay_ms):
+        if not is_finite_number(delay_ms):
             raise ValueError(f"LoadImbalance: delay_ms must be a finite number of milliseconds, got {delay_ms!r}")
         if delay_ms < 0:
             raise ValueError(f"LoadImbalance: delay_ms must be >= 0, got {delay_ms!r}")
@@ -149,7 +148,7 @@ class LoadImbalance(Callback):
             if not listed:
                 raise ValueError(f"LoadImbalance: speed must be a non-empty sequence of factors, got {speed!r}")
             for i, f in enumerate(listed):
-                ok = not isinstance(f, bool) and isinstance(f, (int, float)) and math.isfinite(f) and 0 < f <= 1
+                ok = is_finite_number(f) and 0 < f <= 1
                 if not ok:
                     raise ValueError(f"LoadImbalance: speed[{i}] must be in (0, 1] (1 = full speed), got {f!r}")
             factors = tuple(float(f) for f in listed)

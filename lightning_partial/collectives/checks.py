@@ -7,7 +7,14 @@ trains. Pure Python: importable without Lightning.
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
+from typing import TypeGuard, Union
+
+
+def is_finite_number(value: object) -> TypeGuard[Union[int, float]]:
+    """Whether ``value`` is a finite ``int`` or ``float`` (not a ``bool``, a NaN or an infinity)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def is_int_at_least(value: object, minimum: int) -> bool:

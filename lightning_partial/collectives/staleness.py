@@ -42,9 +42,10 @@ stay bit-identical; fresh contributions (``tau = 0``) always have weight 1.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
+
+from lightning_partial.collectives.checks import is_finite_number
 
 StalenessRule = Literal["none", "momentum", "inverse"]
 STALENESS_RULES: tuple[str, ...] = ("none", "momentum", "inverse")
@@ -73,7 +74,7 @@ class StalenessWeights:
             raise ValueError(f"unknown staleness rule {self.rule!r}: expected one of {', '.join(STALENESS_RULES)}")
         for name in ("momentum", "dampening"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if not is_finite_number(value):
                 raise ValueError(f"staleness {name} must be a finite number, got {value!r}")
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"staleness {name} must be in [0, 1), got {value!r}")

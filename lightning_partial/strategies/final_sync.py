@@ -27,13 +27,14 @@ import logging
 import math
 from typing import Optional
 
+from lightning_partial.collectives.checks import is_finite_number
+
 log = logging.getLogger(__name__)
 
 
 def check_final_sync(value: object, *, owner: str) -> float:
     """``value`` as a float in ``[0, 1)``; raises ``ValueError`` naming ``final_sync`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0.0 <= value < 1.0:
+    if not is_finite_number(value) or not 0.0 <= value < 1.0:
         raise ValueError(
             f"{owner}: final_sync must be a fraction of the fit's optimizer steps in [0, 1) (0: off), got {value!r}"
         )
@@ -49,8 +50,7 @@ def first_sync_round(final_sync: float, total_steps: object, *, owner: str, rank
     """
     if final_sync <= 0.0:
         return None
-    if isinstance(total_steps, bool) or not isinstance(total_steps, (int, float)) or not math.isfinite(total_steps) \
-            or total_steps < 1:
+    if not is_finite_number(total_steps) or total_steps < 1:
         if rank == 0:
             log.warning("%s: final_sync=%s needs the fit's length in optimizer steps, which Lightning estimates "
                         "as %r (set max_steps or max_epochs): the fit runs without its synchronous finish",
