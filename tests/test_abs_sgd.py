@@ -44,6 +44,8 @@ def test_registry_names():
         ({"weight_prediction": "yes"}, "weight_prediction must be a bool"),
         ({"step_samples": -1}, "step_samples must be an integer >= 1, 'global_batch' or None"),
         ({"staleness_rule": "delay"}, "unknown staleness_rule 'delay'"),
+        ({"final_sync": 1.0}, "abs_sgd: final_sync must be a fraction"),
+        ({"final_sync": -0.1}, "abs_sgd: final_sync must be a fraction"),
     ],
 )
 def test_bad_configuration_fails_at_construction(kwargs, match):
@@ -116,11 +118,15 @@ def test_adamw_results_are_retimed_through_adams_moments_and_replicas_stay_ident
 
 
 @pytest.mark.timeout(300)
-def test_resume_from_an_epoch_end_checkpoint(tmp_path):
+@pytest.mark.parametrize("final_sync", [None, 0.7])
+def test_resume_from_an_epoch_end_checkpoint(tmp_path, final_sync):
     """The checkpoint (taken with nothing in flight) carries the rounds, the global samples, the pending
-    gradient sums and the unapplied result; the resumed fit ends its epochs and its replicas like the first."""
+    gradient sums and the unapplied result; the resumed fit ends its epochs and its replicas like the first.
+    At the default the synchronous finish starts after the checkpoint (the resumed fit reaches it from the
+    restored global samples); with ``final_sync=0.7`` the checkpoint is inside it: nothing is unapplied."""
+    kw = ["--strategy-kw", json.dumps({"final_sync": final_sync})] if final_sync is not None else []
     first = tmp_path / "first"
-    run_fit(first, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--save-epoch", "0")
+    run_fit(first, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--save-epoch", "0", *kw)
     checkpoint = torch.load(first / "mid.ckpt", weights_only=False)
     entry = checkpoint[CHECKPOINT_KEY]
     accumulated = checkpoint[ACCUMULATED_KEY][0]  # the rounds added since the last step, and the steps taken
@@ -130,9 +136,13 @@ def test_resume_from_an_epoch_end_checkpoint(tmp_path):
     states = entry["engines"][0]
     assert len({s["step"] for s in states}) == 1
     assert len({s["global_samples"] for s in states}) == 1 and states[0]["global_samples"] >= 2048
-    assert all(len(s["unapplied"]) >= 1 for s in states)  # applied one round late: there is one to carry
+    if final_sync is None:
+        assert all(len(s["unapplied"]) >= 1 for s in states)  # applied one round late: there is one to carry
+    else:
+        assert all(s["unapplied"] == [] and s["pending"] == [] for s in states)  # every result applied at once
     second = tmp_path / "second"
-    records = run_fit(second, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--resume", str(first / "mid.ckpt"))
+    records = run_fit(second, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--resume", str(first / "mid.ckpt"),
+                      *kw)
     assert_identical(second)
     assert all(len(r["epoch_batches"]) == 1 for r in records)  # the second epoch only
     assert len({r["global_step"] for r in records}) == 1
@@ -167,11 +177,14 @@ def _tiny_fit(strategy, tmp_path: Path, optimizer=lambda params: torch.optim.SGD
     return model
 
 
-def test_spike_compensation_spares_the_first_step_and_retimes_every_later_one(tmp_path):
+@pytest.mark.parametrize("final_sync", [0.0, 0.3])
+def test_spike_compensation_spares_the_first_step_and_retimes_every_later_one(tmp_path, final_sync):
     """One rank, SGD momentum 0.5, no prediction: the first step from a fresh optimizer is on time (its
     micro-batches ran at the weights it steps), so it is plain SGD on the gradient as it is; every later
     step takes ``mu * g`` into the momentum buffer and applies ``lr * g`` at once (g = the stepped gradient
-    / mu). Read from the weights and gradients seen at each on_before_optimizer_step."""
+    / mu). With ``final_sync=0.3`` of 10 rounds, rounds 7-9 are synchronous: round 7's micro-batch is still a
+    round late, rounds 8 and 9 are fresh, so their steps are plain SGD again. Read from the weights and
+    gradients seen at each on_before_optimizer_step."""
     import lightning as L
 
     lr, mu = 0.25, 0.5
@@ -182,14 +195,20 @@ def test_spike_compensation_spares_the_first_step_and_retimes_every_later_one(tm
             params = list(pl_module.parameters())
             seen.append(([p.detach().clone() for p in params], [p.grad.detach().clone() for p in params]))
 
-    model = _tiny_fit(ABSSGDStrategy(weight_prediction=False), tmp_path, callbacks=[Record()], max_steps=6,
-                      optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=mu))
+    model = _tiny_fit(ABSSGDStrategy(weight_prediction=False, final_sync=final_sync), tmp_path, callbacks=[Record()],
+                      max_steps=10, optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=mu))
     final = [p.detach().clone() for p in model.parameters()]
-    assert len(seen) >= 4
+    # A step per round (one rank: its micro-batch is the global batch), and the final round's: without the
+    # finish it applies the micro-batch that came after round 9; with it, every micro-batch was applied on time.
+    assert len(seen) == (10 if final_sync else 11)
+    fresh = {8, 9} if final_sync else set()
     buffers = None
     for k, (weights, grads) in enumerate(seen):
         after = seen[k + 1][0] if k + 1 < len(seen) else final
-        if k == 0:
+        if k in fresh:
+            buffers = [mu * b + gr for b, gr in zip(buffers, grads)]
+            expected = [w - lr * b for w, b in zip(weights, buffers)]
+        elif k == 0:
             buffers = [gr.clone() for gr in grads]
             expected = [w - lr * gr for w, gr in zip(weights, grads)]
         else:
@@ -211,7 +230,7 @@ def test_step_lags_count_the_optimizer_steps_between_a_gradients_weights_and_its
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             batches.append(len(batch[0]))
 
-    strategy, tracker = ABSSGDStrategy(), StalenessTracker(log=False)
+    strategy, tracker = ABSSGDStrategy(final_sync=0), StalenessTracker(log=False)  # the asynchronous rounds only
     _tiny_fit(strategy, tmp_path, max_steps=5, callbacks=[Count(), tracker])
     # Five rounds and the final one; a micro-batch more when the main thread starts it before the
     # communication thread has marked round 4 final.
@@ -219,6 +238,32 @@ def test_step_lags_count_the_optimizer_steps_between_a_gradients_weights_and_its
     assert strategy.step_lags.histogram(0) == {0: 8, 1: 8 * (len(batches) - 1)}
     assert strategy.step_lags.last(0) == 1.0
     assert tracker.last[0]["step_lag"] == 1.0  # logged as partial/step_lag
+
+
+def test_synchronous_finish_applies_its_micro_batches_on_time(tmp_path):
+    """One rank, ``final_sync=0.3`` of 10 rounds: rounds 7-9 are synchronous, each micro-batch handed back in its
+    own round; round 7's gradient still lacks round 6's update (lag 1), rounds 8 and 9 are on time (lag 0),
+    computed at the current weights (no prediction in force there), and the flush finds nothing left."""
+    import lightning as L
+
+    batches, predicted = [], []
+
+    class Count(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            batches.append(len(batch[0]))
+            self.weights = [p.detach().clone() for p in pl_module.parameters()]
+
+        def on_before_backward(self, trainer, pl_module, loss):  # inside the forward's weights
+            predicted.append(any(not torch.equal(p, w) for p, w in zip(pl_module.parameters(), self.weights)))
+
+    strategy = ABSSGDStrategy(final_sync=0.3)
+    _tiny_fit(strategy, tmp_path, max_steps=10, callbacks=[Count()])
+    assert len(batches) == 10 and set(batches) == {8}  # no micro-batch left for the final round
+    # The last update predicted from micro-batch 2 on (round 0 is applied at micro-batch 1's deposit), none once fresh.
+    assert predicted == [False, False] + [True] * 6 + [False, False], predicted
+    assert strategy.step_lags.histogram(0) == {0: 8 * 3, 1: 8 * 7}
+    assert strategy.round_stats[0].flush and strategy.round_stats[0].contributions == 0
+    assert strategy.update_rule()["final_sync"] == 0.3
 
 
 def test_step_lag_resolves_micro_batches_by_round_and_weights_them_by_samples():

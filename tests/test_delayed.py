@@ -55,7 +55,7 @@ def train(config: DelayedConfig, *, delays_ms: tuple[float, ...], agree: dict) -
             engine.drain(last)
             final = [(r.round_index, r.tensors[0].clone(), r.stats.counts) for r in engine.finish(last)]
             return {"deposits": deposits, "handed_at": handed_at, "final": final, "last": last,
-                    "final_round": engine.final_round, "state": engine.state_dict()}
+                    "final_round": engine.final_round, "fresh_from": engine.fresh_from, "state": engine.state_dict()}
         finally:
             engine.close()
 
@@ -168,9 +168,57 @@ def test_epochs_end_at_the_same_round_and_time_trigger():
         assert (cumulative >= 120) == (r >= records[0]["final_round"]), (r, cumulative)
 
 
+def check_sums_and_conservation(records: list[dict]) -> dict:
+    """Every rank got the same results in order; each is its deposits' sample-weighted mean; nothing is lost."""
+    results = {r: (t, counts) for r, t, counts in rounds_of(records[0])}
+    assert list(results) == list(range(len(results)))
+    expected_sum = {r: torch.zeros(3, dtype=torch.float64) for r in results}
+    for record in records:
+        mine = rounds_of(record)
+        assert [(r, c) for r, _, c in mine] == [(r, c) for r, (_, c) in results.items()]
+        assert all(torch.equal(t, results[r][0]) for r, t, _ in mine)  # bit-identical
+        for g, b, into, _ in record["deposits"]:
+            expected_sum[into] += g * b
+    for r, (tensor, counts) in results.items():
+        assert torch.equal(tensor, expected_sum[r] / max(sum(counts), 1)), r  # the flush may find nothing
+    deposited = sum(g * b for record in records for g, b, _, _ in record["deposits"])
+    assert torch.allclose(sum(t * sum(c) for t, c in results.values()), deposited, rtol=0, atol=1e-9)
+    return results
+
+
+@pytest.mark.parametrize("by", ["samples", "round"])
+def test_synchronous_finish_runs_lock_step_rounds_of_fresh_gradients(by):
+    """From the first synchronous round S on, every rank's every micro-batch joins the next round and gets
+    its result back at once: rounds after S hold exactly one micro-batch of every rank, each handed in the
+    call that deposited it (fresh), and S is where the global samples crossed the threshold (or sync_from)."""
+    finish = {"sync_from_samples": 150} if by == "samples" else {"sync_from": 22}
+    config = DelayedConfig(target_samples=4, max_rounds=30, timeout=timedelta(seconds=30), name=f"fin{by}", **finish)
+    records = run_threads(P, train(config, delays_ms=(2.0, 4.0, 8.0, 16.0), agree={}))
+    results = check_sums_and_conservation(records)
+    fresh_from = {record["fresh_from"] for record in records}
+    assert len(fresh_from) == 1 and None not in fresh_from
+    first_sync = fresh_from.pop() - 1
+    if by == "samples":
+        cumulative = [sum(sum(results[q][1]) for q in range(r + 1)) for r in results]
+        assert cumulative[first_sync - 1] >= 150 > cumulative[first_sync - 2]
+    else:
+        assert first_sync == 22
+    assert 0 < first_sync < 29 and records[0]["final_round"] == 29
+    assert any(0 in results[r][1] for r in range(first_sync)), "no round before the finish went without rank 3"
+    for rank, record in enumerate(records):
+        for (_, b, into, _), batch in zip(record["deposits"], record["handed_at"]):
+            if into > first_sync:
+                assert results[into][1][rank] == b  # one micro-batch per rank and round
+                assert batch and batch[-1][0] == into  # its result is handed in the same call: fresh
+        for r in range(first_sync, 30):
+            assert results[r][1][rank] > 0, (rank, r)  # every rank in every synchronous round
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
+        ({"target_samples": 4, "sync_from": -1}, "sync_from must be an integer >= 0"),
+        ({"target_samples": 4, "sync_from_samples": 2.5}, "sync_from_samples must be an integer >= 0"),
         ({"trigger": "tide", "target_samples": 4}, "unknown trigger 'tide'"),
         ({"target_samples": 0}, "target_samples must be an integer >= 1"),
         ({"target_samples": None}, "target_samples must be an integer >= 1"),

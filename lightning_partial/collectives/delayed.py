@@ -40,6 +40,18 @@ here (**Decisions**; the semantics in docs/algorithms.md, abs_sgd):
   caller's side agree on a round after which nothing is in flight (a
   checkpoint; the end of fit), and :meth:`finish` runs the final,
   synchronous round after it: nothing pending is lost.
+* **The synchronous finish** (``sync_from``, ``sync_from_samples``). From a
+  round on, every round is synchronous: no rank activates it; each rank's
+  every micro-batch *arrives* at it (as a synchronous round of
+  ``PartialAllreduce``), and :meth:`deposit` waits for that round and hands
+  its result at once, with the one before it. The first such round is
+  ``sync_from``, or the round after the one whose global samples reach
+  ``sync_from_samples`` (known from the headers: the same round on every
+  rank); whichever comes first. Its micro-batches were computed before the
+  last asynchronous round was applied (one round late, as before); from the
+  next round on every gradient is fresh (:attr:`DelayedAllreduce.fresh_from`),
+  and the ranks run in lock-step, the slowest pacing: DDP's rounds, summed by
+  samples.
 
 Threads and collectives: the caller's thread calls :meth:`deposit` after each
 micro-batch and applies what it returns; it issues no collective (it only
@@ -90,6 +102,9 @@ class DelayedConfig(EngineBounds):
         epoch_samples: global samples of one epoch (the dataset's size); ``None``: no epochs.
         max_epochs: the round that completes this many epochs is final (needs ``epoch_samples``).
         max_rounds: the round with index ``max_rounds - 1`` is final.
+        sync_from: every round from this index on is synchronous (the synchronous finish).
+        sync_from_samples: every round after the one whose global samples reach this
+            many is synchronous (counted from the first round, as ``epoch_samples``).
         timeout: bound on every blocking wait that includes other ranks' compute.
         collective_timeout: bound on an activated round's collectives (see
             :class:`PartialAllreduceConfig`).
@@ -105,6 +120,8 @@ class DelayedConfig(EngineBounds):
     epoch_samples: Optional[int] = None
     max_epochs: Optional[int] = None
     max_rounds: Optional[int] = None
+    sync_from: Optional[int] = None
+    sync_from_samples: Optional[int] = None
     name: str = "abs_sgd"
 
     def __post_init__(self) -> None:
@@ -122,6 +139,8 @@ class DelayedConfig(EngineBounds):
         check_int("epoch_samples", self.epoch_samples, optional=True)
         check_int("max_epochs", self.max_epochs, optional=True)
         check_int("max_rounds", self.max_rounds, optional=True)
+        check_int("sync_from", self.sync_from, minimum=0, optional=True)
+        check_int("sync_from_samples", self.sync_from_samples, minimum=0, optional=True)
         if self.max_epochs is not None and self.epoch_samples is None:
             raise ValueError("max_epochs needs epoch_samples (the global samples of one epoch)")
         # The engine's own checks (timeout, collective_timeout, setup_timeout, name).
@@ -192,6 +211,11 @@ class DelayedAllreduce(PartialAllreduce):
         self._global_samples = 0
         self._contributed_at = time.monotonic()
         self._restored: list[RoundResult] = []  # unapplied results from a checkpoint, handed first
+        # The first synchronous round (the finish): set by the communication thread once the
+        # global samples reach sync_from_samples, never moved later.
+        self._sync_from: Optional[int] = config.sync_from
+        if config.sync_from_samples == 0:
+            self._sync_from = 0
         # Held while deciding to activate and activating: after pause() returns, this
         # rank activates nothing.
         self._activation_lock = threading.Lock()
@@ -211,6 +235,16 @@ class DelayedAllreduce(PartialAllreduce):
             return self._global_samples // n if n else 0
 
     @property
+    def fresh_from(self) -> Optional[int]:
+        """The first round whose every contribution is fresh (the synchronous finish's second), once known.
+
+        From it on, each rank computed its micro-batch after applying every earlier
+        round's result (the same on every rank: the rounds run in lock-step).
+        """
+        with self._cond:
+            return None if self._sync_from is None else self._sync_from + 1
+
+    @property
     def final_round(self) -> Optional[int]:
         """The final round, once it has completed on this rank."""
         with self._cond:
@@ -223,6 +257,8 @@ class DelayedAllreduce(PartialAllreduce):
         come in round order, and each exactly once. Blocks only when this
         micro-batch requests the next round: until that round has started here,
         i.e. until the previous round has completed (bounded by the timeout).
+        In the synchronous finish every micro-batch arrives at the next round,
+        and blocks until that round has completed: its result is due at once.
         """
         self._check_running("deposit")
         check_int("samples", samples, owner=f"rank {self.rank}")
@@ -250,9 +286,13 @@ class DelayedAllreduce(PartialAllreduce):
                 self._pending.append(d)
             self._record_ready(d)
             self.deposit_round = q
+            synchronous = self._known_sync(q)
+            if synchronous:
+                self._step = q + 1  # the arrival the communication thread waits for (RoundRunner)
+                self._cond.notify_all()
             pending = sum(p.samples for p in deposits)  # the send buffer itself: d is in it
             triggered = False
-            if not self._requested and self._trigger_met(pending):
+            if not synchronous and not self._requested and self._trigger_met(pending):
                 self._requested = True
                 triggered = not self._paused
                 if not self._paused and self._waiting_round is not None:
@@ -260,6 +300,14 @@ class DelayedAllreduce(PartialAllreduce):
         if wake is not None:
             assert self._control is not None
             self._control.wake(wake)  # the communication thread activates the round for everybody
+        if synchronous:
+            # Every rank arrives at round q with this micro-batch; the round waits for the slowest.
+            self._wait_on_cond(
+                lambda: self._raise_if_failed(q) or self._completed >= q or self._closing,
+                q,
+                f"synchronous round {q} did not complete (is a rank dead or stalled?)",
+            )
+            return self._take_due(limit=q)
         if triggered:
             # This micro-batch completes round q on this rank: wait until the round has
             # started here (its communication thread snapshots it once round q - 1 has
@@ -268,7 +316,7 @@ class DelayedAllreduce(PartialAllreduce):
             # the micro-batches of round q.
             self._wait_on_cond(
                 lambda: self._raise_if_failed(q) or self._snapshotted >= q or self._final_round is not None
-                or self._paused or self._closing,
+                or self._paused or self._closing or self._known_sync(q),
                 q,
                 f"round {q - 1} did not complete (is a rank dead or stalled?)",
             )
@@ -390,6 +438,11 @@ class DelayedAllreduce(PartialAllreduce):
             restored.append(RoundResult(round_index=int(item["round"]), tensors=self.layout.unflatten(flats),
                                         stats=stats, buffers=flats, layout=self.layout))
         self._restored = restored
+        threshold = self.delayed.sync_from_samples
+        if threshold is not None and self._global_samples >= threshold:
+            # Saved in the finish (or right at its start): it goes on from the next round. The
+            # threshold, not a saved round, decides: a resumed fit may end later or earlier.
+            self._sync_from = self.step if self._sync_from is None else min(self._sync_from, self.step)
 
     def _divisor(self, total: int) -> float:
         """The round's samples, or ``reference_samples`` when set (communication thread; restore)."""
@@ -401,6 +454,10 @@ class DelayedAllreduce(PartialAllreduce):
     def _deposits(self) -> list[SampleDeposit]:
         """Under ``self._cond``: the send buffer (deposit() and load_state_dict() only put SampleDeposits there)."""
         return cast(list[SampleDeposit], self._pending)
+
+    def _known_sync(self, round_index: int) -> bool:
+        """The base class's rule, and every round of the synchronous finish (under ``self._cond`` or its thread)."""
+        return super()._known_sync(round_index) or (self._sync_from is not None and round_index >= self._sync_from)
 
     def _trigger_met(self, pending: int) -> bool:
         if self._final_round is not None or pending < 1:
@@ -425,7 +482,8 @@ class DelayedAllreduce(PartialAllreduce):
 
     # ---------------------------------------------------- communication thread
     def _may_activate(self, r: int) -> bool:
-        return self._requested and not self._paused and self._final_round is None and not self._closing
+        return (self._requested and not self._paused and self._final_round is None and not self._closing
+                and not self._known_sync(r))
 
     def _await_activation(self, r: int) -> None:
         assert self._control is not None
@@ -478,6 +536,9 @@ class DelayedAllreduce(PartialAllreduce):
             with self._cond:
                 self._global_samples += int(result.stats.contributions)
                 d = self.delayed
+                if (self._sync_from is None and d.sync_from_samples is not None
+                        and self._global_samples >= d.sync_from_samples):
+                    self._sync_from = r + 1  # every rank decides it from the same headers
                 if (d.max_rounds is not None and r + 1 >= d.max_rounds) or (
                     d.max_epochs is not None
                     and d.epoch_samples is not None

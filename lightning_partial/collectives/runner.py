@@ -214,7 +214,7 @@ class RoundRunner(EngineGroups):
             round_index=r,
             activator=activators[0] if activators else -1,
             initiator=None,
-            synchronous=bool(flushing[0]) or self.config.mode == "sync" or self.config.is_sync_round(r),
+            synchronous=bool(flushing[0]) or self._known_sync(r),
             flush=bool(flushing[0]),
             fresh=tuple(i for i, n in enumerate(newest) if n - 1 == r),
             counts=tuple(int(c) for c in counts),

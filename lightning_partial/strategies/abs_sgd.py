@@ -48,6 +48,16 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   strategy's collective group: never per step) and wait for it; at the end of fit a final
   synchronous round sums everything still pending, and every result not yet
   applied is applied: the replicas end bit-identical.
+* **The synchronous finish** (``final_sync=f``, default 0.05). The last ``f``
+  of the fit's global samples (``max_epochs``) or rounds (``max_steps``;
+  whichever starts first when both are set) run as synchronous rounds: every
+  rank's every micro-batch joins the next round, which waits for the slowest,
+  and its result is applied at once (the engine's ``sync_from_samples`` and
+  ``sync_from``). From the second such round on the gradients are fresh: no
+  weight prediction, no staleness rule (a step holding an older round keeps
+  both); the fit ends on DDP's rounds, summed by samples. The threshold is the
+  same on every rank (global samples from the round headers) and survives a
+  resume (it is counted from the fit's first round).
 * **Checkpoints** hold the round counter, each rank's pending gradient sum and
   samples, the results not yet applied, and the global samples. Save at epoch
   ends, from a hook that every rank reaches, or with ``ModelCheckpoint(
@@ -83,6 +93,7 @@ from lightning_partial.data import ElasticBatchSampler
 from lightning_partial.strategies import compensation
 from lightning_partial.strategies.accumulation import RoundAccumulator
 from lightning_partial.strategies.checkpoint import state_for_rank
+from lightning_partial.strategies.final_sync import first_sync_round
 from lightning_partial.strategies.options import StrategyOptions
 from lightning_partial.strategies.fit_state import FitState
 from lightning_partial.strategies.partial import PartialStrategy, StepModel
@@ -188,6 +199,10 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             so replicas stay bit-identical. Costs two parameter-sized buffers (the
             last update, and the weights' copy during a micro-batch). Works with any optimizer. ``False``: the gradient of
             the current weights (the paper's rule).
+        final_sync: the fraction of the fit, at its end, run as synchronous rounds
+            (see the module docstring): of the global samples ``max_epochs`` make, or
+            of ``max_steps`` rounds. ``0.05`` (default); ``0``: the paper's rounds to
+            the end. In ``[0, 1)``. A fit with neither bound runs without it (a warning).
         shuffle, seed: the elastic sampler's shuffling (as ``DistributedSampler``'s).
         timeout, collective_timeout, process_group_backend, start_method: as for every strategy here.
     """
@@ -206,6 +221,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         step_samples: Union[int, str, None] = "global_batch",
         staleness_rule: str = "auto",
         weight_prediction: bool = True,
+        final_sync: float = 0.05,
         shuffle: bool = True,
         seed: int = 0,
         **kwargs: Unpack[StrategyOptions],
@@ -236,6 +252,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self.seed = seed
         self.staleness_rule = compensation.check_rule(staleness_rule, owner=self.strategy_name)
         self._set_weight_prediction(weight_prediction)
+        self._set_final_sync(final_sync)
         self.sampler: Optional[ElasticBatchSampler] = None
         self._epoch_samples: Optional[int] = None
         self._batch_samples = 0
@@ -362,16 +379,33 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self._accumulator.step_samples = global_batch if step == GLOBAL_BATCH else cast(Optional[int], step)
         self._accumulator.reference_samples = cast(Optional[int], reference)
         max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
+        max_rounds = trainer.max_steps if trainer.max_steps > 0 else None
         config = self._delayed_config(
             target,
             reference,
             epoch_samples=self._epoch_samples,
             max_epochs=max_epochs,
-            max_rounds=trainer.max_steps if trainer.max_steps > 0 else None,
+            max_rounds=max_rounds,
             name=f"abs_sgd-{index}",
+            **self._finish(max_epochs, max_rounds),
         )
         return DelayedAllreduce(config, store=store, rank=self.global_rank, world_size=self.world_size,
                                 like=[p.detach() for p in params])
+
+    def _finish(self, max_epochs: Optional[int], max_rounds: Optional[int]) -> dict[str, Optional[int]]:
+        """The engine's ``sync_from_samples`` and ``sync_from`` for ``final_sync`` (empty when it is off)."""
+        if not self.final_sync:
+            return {}
+        owner, rank = self.strategy_name, self.global_rank
+        finish: dict[str, Optional[int]] = {}
+        if max_epochs is not None and self._epoch_samples is not None:
+            finish["sync_from_samples"] = first_sync_round(self.final_sync, max_epochs * self._epoch_samples,
+                                                           owner=owner, rank=rank, unit="global samples")
+        if max_rounds is not None:
+            finish["sync_from"] = first_sync_round(self.final_sync, max_rounds, owner=owner, rank=rank, unit="rounds")
+        if not finish:
+            first_sync_round(self.final_sync, None, owner=owner, rank=rank, unit="global samples or rounds")  # warns
+        return finish
 
     @override
     def _engine_state(self, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -423,7 +457,11 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                      kwargs: dict[str, Any]) -> Any:
         """The micro-batch (closure), its deposit, then one optimizer step per round result now due."""
         params = self._params[index]
+        engine = self._engines[index]
         prediction = self._prediction_in_force()
+        fresh_from = engine.fresh_from
+        if fresh_from is not None and engine.started_round + 1 >= fresh_from:
+            prediction = None  # the synchronous finish: this gradient is applied before any other update
         steps_before = self._accumulator.steps(index)  # the weights this micro-batch's gradient is computed on
         if prediction is None:
             output = closure()
@@ -435,7 +473,6 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                 output = closure()
             prediction.release(index, saved)  # not held while the results are applied
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        engine = self._engines[index]
         samples = max(self._batch_samples, 1)
         results = engine.deposit(grads, samples=samples)
         self.step_lags.deposited(index, engine.deposit_round, steps_before, samples)
@@ -452,24 +489,33 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     ) -> int:
         """Adds each result to the accumulator, and steps the optimizer whenever a step is due; returns the steps.
 
-        ``final`` (the end of fit): whatever the last result leaves accumulated is stepped too.
+        ``final`` (the end of fit): whatever the last result leaves accumulated is stepped too. Rounds
+        without samples step nothing (the same on every rank: the samples come from the headers).
         """
         module = model if isinstance(model, pl.LightningModule) else self.lightning_module
         weights = self._staleness.get(index, StalenessWeights())
         params = self._params[index]
         accumulator = self._accumulator
+        fresh_from = self._engines[index].fresh_from
         steps = 0
         for k, result in enumerate(results):
             due = accumulator.add(index, result.tensors, divisor=result.stats.divisor,
                                   samples=int(result.stats.contributions))
+            # The step's first round (the rounds come in order, each once): in the synchronous
+            # finish, from fresh_from on, every micro-batch was computed on the current weights.
+            first_round = result.stats.round_index - accumulator.pending(index) + 1
             result.release()
             self._record(index, result.stats)
             if not due and not (final and k == len(results) - 1):
                 continue
+            if accumulator.samples(index) == 0:
+                continue  # empty rounds (a final round that found nothing pending): no step on a zero gradient
             # A step's gradient sums rounds applied one round after the micro-batches they sum were
             # computed: one optimizer step late, but for the first step of an optimizer without state
-            # (no step came between those micro-batches and this one), which is fresh.
-            staleness = 1 if any(optimizer.state.get(p) for p in params) else 0
+            # (no step came between those micro-batches and this one), which is fresh, and for the
+            # steps of the synchronous finish (the same rounds on every rank).
+            fresh = fresh_from is not None and first_round >= fresh_from
+            staleness = 1 if not fresh and any(optimizer.state.get(p) for p in params) else 0
             weight = compensation.gradient_weight(optimizer, weights, staleness)
             for p, g in zip(params, accumulator.take(index)):
                 if p.grad is None:

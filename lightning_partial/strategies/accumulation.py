@@ -93,6 +93,11 @@ class RoundAccumulator(CheckpointedState):
         state = self._state.get(index)
         return state.rounds if state is not None else 0
 
+    def samples(self, index: int) -> int:
+        """Samples in the rounds added since the last step of optimizer ``index``."""
+        state = self._state.get(index)
+        return state.samples if state is not None else 0
+
     def take(self, index: int) -> list[Tensor]:
         """The step's gradient (the sum over the step's divisor), in buffers valid until the next :meth:`add`."""
         state = self._state[index]

@@ -18,7 +18,9 @@ fit's optimizer steps, from its first step, so a resumed fit finishes at the
 same rounds); every rank computes the same first synchronous round, the
 engine's ``PartialAllreduceConfig.sync_from``. A fit whose length Lightning
 cannot estimate (``max_time`` only, or an iterable data set without a length)
-runs without it, with a warning.
+runs without it, with a warning. ``abs_sgd``'s rounds differ in size, so it
+counts its finish in global samples (``max_epochs``) or rounds (``max_steps``);
+see :class:`~lightning_partial.strategies.abs_sgd.ABSSGDStrategy`.
 """
 
 from __future__ import annotations
@@ -41,20 +43,22 @@ def check_final_sync(value: object, *, owner: str) -> float:
     return float(value)
 
 
-def first_sync_round(final_sync: float, total_steps: object, *, owner: str, rank: int = 0) -> Optional[int]:
-    """The first round of the synchronous finish for a fit of ``total_steps`` optimizer steps, or ``None``.
+def first_sync_round(final_sync: float, total_steps: object, *, owner: str, rank: int = 0,
+                     unit: str = "optimizer steps") -> Optional[int]:
+    """Where the synchronous finish starts in a fit of ``total_steps`` (of ``unit``), or ``None``.
 
-    ``ceil(final_sync * total_steps)`` rounds are synchronous (at least one when
+    The last ``ceil(final_sync * total_steps)`` are synchronous (at least one when
     ``final_sync > 0``). ``None`` when it is off, or when ``total_steps`` is not
     a finite count (Lightning's estimate of an unbounded fit), with a warning on rank 0.
+    ``abs_sgd`` counts its fit in global samples or in rounds (``unit``).
     """
     if final_sync <= 0.0:
         return None
     if not is_finite_number(total_steps) or total_steps < 1:
         if rank == 0:
-            log.warning("%s: final_sync=%s needs the fit's length in optimizer steps, which Lightning estimates "
-                        "as %r (set max_steps or max_epochs): the fit runs without its synchronous finish",
-                        owner, final_sync, total_steps)
+            log.warning("%s: final_sync=%s needs the fit's length in %s, which is %r (set max_steps or "
+                        "max_epochs): the fit runs without its synchronous finish",
+                        owner, final_sync, unit, total_steps)
         return None
     total = int(total_steps)
     return max(total - math.ceil(final_sync * total), 0)

@@ -125,6 +125,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
     strategy_name = "partial"
     #: What the engines exchange: ``"gradients"`` or ``"models"`` (checked on resume).
     engine_family = "gradients"
+    #: The fraction of the fit, at its end, run as synchronous rounds
+    #: (:mod:`~lightning_partial.strategies.final_sync`); set with :meth:`_set_final_sync`.
+    final_sync: float = 0.0
     #: The registry names of a concrete strategy: ``(name, description, constructor keyword
     #: arguments)``; :meth:`register_strategies` adds each with ``start_method="popen"`` and a
     #: ``<name>_spawn`` twin with ``start_method="spawn"``.
@@ -160,14 +163,20 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
     def update_rule(self) -> dict[str, Any]:
         """What this strategy does with late gradients, for loggers (``StalenessTracker`` logs it at train start).
 
-        ``weight_prediction`` (bool), and, for a strategy that weighs late gradients,
+        ``weight_prediction`` (bool), ``final_sync`` (the fraction of the fit run as
+        synchronous rounds), and, for a strategy that weighs late gradients,
         ``staleness_rule``: the rule resolved at set-up per optimizer, comma-separated
         (``"auto"`` resolved to ``"inverse"``, ``"momentum"`` or ``"none"``).
         """
-        settings: dict[str, Any] = {"weight_prediction": self._prediction_in_force() is not None}
+        settings: dict[str, Any] = {"weight_prediction": self._prediction_in_force() is not None,
+                                    "final_sync": self.final_sync}
         if self._staleness:
             settings["staleness_rule"] = ",".join(self._staleness[i].rule for i in sorted(self._staleness))
         return settings
+
+    def _set_final_sync(self, final_sync: float) -> None:
+        """A subclass's ``final_sync`` option (:mod:`~lightning_partial.strategies.final_sync`), validated."""
+        self.final_sync = check_final_sync(final_sync, owner=self.strategy_name)
 
     def _fit_states(self) -> list[FitState]:
         """The state this strategy carries from step to step beside the engines' (main thread only).
@@ -556,12 +565,6 @@ class ConfiguredStrategy(PartialStrategy[EngineT]):
     """
 
     partial_config: PartialAllreduceConfig
-    #: The fraction of the fit's optimizer steps, at its end, run as synchronous rounds
-    #: (:mod:`~lightning_partial.strategies.final_sync`); set with :meth:`_set_final_sync`.
-    final_sync: float = 0.0
-
-    def _set_final_sync(self, final_sync: float) -> None:
-        self.final_sync = check_final_sync(final_sync, owner=self.strategy_name)
 
     def _round_config(self, **changes: Any) -> PartialAllreduceConfig:
         """The engine's configuration for this fit: :attr:`partial_config`, ``changes``, and ``sync_from``.
@@ -572,11 +575,6 @@ class ConfiguredStrategy(PartialStrategy[EngineT]):
         sync_from = first_sync_round(self.final_sync, self._trainer.estimated_stepping_batches,
                                      owner=self.strategy_name, rank=self.global_rank) if self.final_sync else None
         return replace(self.partial_config, sync_from=sync_from, **changes)
-
-    @override
-    def update_rule(self) -> dict[str, Any]:
-        """:meth:`PartialStrategy.update_rule`, and ``final_sync``: the fraction of the fit run as synchronous rounds."""
-        return {**super().update_rule(), "final_sync": self.final_sync}
 
     @property
     @override
