@@ -484,6 +484,9 @@ def test_missing_rank_times_out_with_rank_and_round():
 def test_setup_timeout_bounds_the_rendezvous_and_timeout_the_rounds():
     """Ranks may reach start() further apart than the round timeout (within setup_timeout);
     a round with a missing rank still fails after the round timeout, naming rank and round."""
+    # The ranks that time out close only once all of them have raised: a rank whose close came first
+    # would end the others' allreduce with gloo's "connection closed" before their own bound fired.
+    raised = threading.Barrier(P - 1)
 
     def fn(rank, store):
         e = PartialAllreduce(
@@ -503,6 +506,7 @@ def test_setup_timeout_bounds_the_rendezvous_and_timeout_the_rounds():
             # thread's allreduce) names it.
             with pytest.raises(PartialCollectiveTimeout, match=rf"rank {rank}, round 0\] .*timed out after 1s"):
                 e.arrive(torch.ones(1))
+            raised.wait(timeout=20)
             return "timeout"
         finally:
             e.close(timeout=2)

@@ -25,7 +25,7 @@ Contract:
 * At train start, logs the strategy's update rule as hyperparameters
   (``partial/weight_prediction``, ``partial/staleness_rule``: the rule resolved
   against the optimizer; ``abs_sgd``: ``partial/step_samples``; ``wagma_sgd``, ``ds_sync``:
-  ``partial/adaptive_scaling``; ``eager_sgd``, ``wagma_sgd``, ``ds_sync``: ``partial/final_sync``), from
+  ``partial/adaptive_scaling``; every strategy here: ``partial/final_sync``), from
   ``trainer.strategy.update_rule()``.
 * Keeps a running :class:`StalenessSummary` per optimizer in :attr:`summary`,
   which also counts the final flush round (seen at ``on_fit_end``, where

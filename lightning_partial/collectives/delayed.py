@@ -74,7 +74,7 @@ import torch.distributed as dist
 from lightning_partial.collectives.checks import check_int
 from lightning_partial.collectives.config import EngineBounds, PartialAllreduceConfig
 from lightning_partial.collectives.engine import PartialAllreduce, Tensors
-from lightning_partial.collectives.errors import PartialCollectiveTimeout
+from lightning_partial.collectives.errors import EngineClosedError, PartialCollectiveTimeout
 from lightning_partial.collectives.results import RoundResult
 from lightning_partial.collectives.rounds import Deposit
 from lightning_partial.collectives.stats import RoundStats
@@ -286,7 +286,8 @@ class DelayedAllreduce(PartialAllreduce):
                 self._pending.append(d)
             self._record_ready(d)
             self.deposit_round = q
-            synchronous = self._known_sync(q)
+            # After the final round nothing arrives: what comes now waits for finish()'s round.
+            synchronous = self._known_sync(q) and self._final_round is None
             if synchronous:
                 self._step = q + 1  # the arrival the communication thread waits for (RoundRunner)
                 self._cond.notify_all()
@@ -302,11 +303,8 @@ class DelayedAllreduce(PartialAllreduce):
             self._control.wake(wake)  # the communication thread activates the round for everybody
         if synchronous:
             # Every rank arrives at round q with this micro-batch; the round waits for the slowest.
-            self._wait_on_cond(
-                lambda: self._raise_if_failed(q) or self._completed >= q or self._closing,
-                q,
-                f"synchronous round {q} did not complete (is a rank dead or stalled?)",
-            )
+            self._wait_on_cond(lambda: self._synchronous_round_done(q), q,
+                               f"synchronous round {q} did not complete (is a rank dead or stalled?)")
             return self._take_due(limit=q)
         if triggered:
             # This micro-batch completes round q on this rank: wait until the round has
@@ -454,6 +452,15 @@ class DelayedAllreduce(PartialAllreduce):
     def _deposits(self) -> list[SampleDeposit]:
         """Under ``self._cond``: the send buffer (deposit() and load_state_dict() only put SampleDeposits there)."""
         return cast(list[SampleDeposit], self._pending)
+
+    def _synchronous_round_done(self, q: int) -> bool:
+        """Under ``self._cond``: round ``q`` completed (its follow-up decided), or carried a stop; raises if failed."""
+        self._raise_if_failed(q)
+        if self._closing:
+            raise EngineClosedError(f"close() was called while waiting for synchronous round {q}", rank=self.rank,
+                                    round_index=q)
+        result = self._results.get(q)
+        return self._completed >= q or (isinstance(result, RoundResult) and result.stats.stop)
 
     def _known_sync(self, round_index: int) -> bool:
         """The base class's rule, and every round of the synchronous finish (under ``self._cond`` or its thread)."""

@@ -1,7 +1,7 @@
 """The synchronous finish: a fit's last rounds wait for every rank, so that it ends on fresh gradients.
 
-A strategy that lets fast ranks go on applies late gradients (``eager_sgd``) or
-averages stale models (``wagma_sgd``, ``ds_sync``) at every round. At a
+A strategy that lets fast ranks go on applies late gradients (``eager_sgd``,
+``abs_sgd``) or averages stale models (``wagma_sgd``, ``ds_sync``) at every round. At a
 constant learning rate that leaves the final weights further from where DDP's
 would settle: the late contributions keep the iterate moving, under momentum
 and Adam most of all. ``final_sync=f`` makes the last ``f`` of the fit's
@@ -10,7 +10,8 @@ gradients are applied in the first of them; a model-averaging round is a
 global average): the fit ends as DDP's would from where the fast phase left
 it. It costs the straggler's wait for those rounds only. ``eager_sgd`` keeps
 its weight prediction there (a fresh gradient at the predicted weights is a
-look-ahead gradient, as Nesterov's). The measurement that chose the default
+look-ahead gradient, as Nesterov's); ``abs_sgd``, whose prediction is the
+one-round delay's, computes them at the current weights. The measurement that chose the default
 is in ``docs/staleness.md#the-synchronous-finish``.
 
 The rounds are counted against ``trainer.estimated_stepping_batches`` (the
