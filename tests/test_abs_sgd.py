@@ -18,7 +18,7 @@ from lightning_partial.strategies.accumulation import ACCUMULATED_KEY
 from lightning_partial.strategies.prediction import LAST_UPDATE_KEY
 from lightning_partial.strategies.step_lag import StepLag
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY
-from tests.test_eager_sgd import FIT_ENV, assert_identical, fit_command
+from tests.test_eager_sgd import FIT_ENV, assert_identical, fit_command, signal_rank_when_running, start_fit
 
 
 def test_registry_names():
@@ -146,6 +146,22 @@ def test_resume_from_an_epoch_end_checkpoint(tmp_path, final_sync):
     assert_identical(second)
     assert all(len(r["epoch_batches"]) == 1 for r in records)  # the second epoch only
     assert len({r["global_step"] for r in records}) == 1
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_round(tmp_path):
+    """SIGTERM to one rank: the stop rides in the next round's header; no round follows it, so every rank is
+    handed it at its next micro-batch (not one round later), applies every round up to it, and raises
+    SIGTERMException at its next batch start after the same optimizer steps; replicas end bit-identical."""
+    import signal
+
+    out = tmp_path / "run"
+    proc = start_fit(out, "--strategy", "abs_sgd")
+    stderr = signal_rank_when_running(proc, out, 2, signal.SIGTERM)
+    assert proc.returncode == 0, stderr[-3000:]
+    steps = {r: int((out / f"stopped{r}").read_text()) for r in range(4)}
+    assert len(set(steps.values())) == 1 and steps[0] > 0, steps
+    assert_identical(out)
 
 
 def _tiny_fit(strategy, tmp_path: Path, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), callbacks=(),

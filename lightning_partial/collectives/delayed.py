@@ -31,7 +31,8 @@ here (**Decisions**; the semantics in docs/algorithms.md, abs_sgd):
   one, as the paper's delayed synchronous SGD). That wait is the only one:
   for the previous allreduce, which overlapped a whole round of micro-batches.
   Every rank applies every result once, in round order, so the replicas stay
-  bit-identical.
+  bit-identical. A round that carried a stop (``request_stop``) is handed at
+  the next micro-batch boundary: no round follows it.
 * **Agreement.** Every rank sees every round's header, so every rank counts
   the same global samples and rounds: the round after which the samples
   reach ``k * epoch_samples`` ends epoch ``k``; the round that reaches
@@ -305,7 +306,9 @@ class DelayedAllreduce(PartialAllreduce):
             # Every rank arrives at round q with this micro-batch; the round waits for the slowest.
             self._wait_on_cond(lambda: self._synchronous_round_done(q), q,
                                f"synchronous round {q} did not complete (is a rank dead or stalled?)")
-            return self._take_due(limit=q)
+            with self._cond:
+                limit = q if self._stop_round is None else min(q, self._stop_round)
+            return self._take_due(limit=limit)
         if triggered:
             # This micro-batch completes round q on this rank: wait until the round has
             # started here (its communication thread snapshots it once round q - 1 has
@@ -314,15 +317,16 @@ class DelayedAllreduce(PartialAllreduce):
             # the micro-batches of round q.
             self._wait_on_cond(
                 lambda: self._raise_if_failed(q) or self._snapshotted >= q or self._final_round is not None
-                or self._paused or self._closing or self._known_sync(q),
+                or self._paused or self._closing or self._known_sync(q) or self._stop_round is not None,
                 q,
                 f"round {q - 1} did not complete (is a rank dead or stalled?)",
             )
         with self._cond:
-            limit = self._snapshotted - 1
-        # Every round before the last one taken here has completed: round s is taken only
-        # after round s - 1 completed on this rank. Round r is handed at the first micro-batch
-        # boundary after round r + 1 started on this rank.
+            # Every round before the last one taken here has completed: round s is taken only
+            # after round s - 1 completed on this rank. Round r is handed at the first micro-batch
+            # boundary after round r + 1 started on this rank; a round that carried a stop (no
+            # round follows it) at once, so that every rank applies it and stops there.
+            limit = self._snapshotted - 1 if self._stop_round is None else self._stop_round
         return self._take_due(limit=limit)
 
     def pause(self) -> None:
@@ -454,13 +458,13 @@ class DelayedAllreduce(PartialAllreduce):
         return cast(list[SampleDeposit], self._pending)
 
     def _synchronous_round_done(self, q: int) -> bool:
-        """Under ``self._cond``: round ``q`` completed (its follow-up decided), or carried a stop; raises if failed."""
+        """Under ``self._cond``: round ``q`` completed (its follow-up decided), or a stop ended the rounds; raises
+        if failed."""
         self._raise_if_failed(q)
         if self._closing:
             raise EngineClosedError(f"close() was called while waiting for synchronous round {q}", rank=self.rank,
                                     round_index=q)
-        result = self._results.get(q)
-        return self._completed >= q or (isinstance(result, RoundResult) and result.stats.stop)
+        return self._completed >= q or self._stop_round is not None
 
     def _known_sync(self, round_index: int) -> bool:
         """The base class's rule, and every round of the synchronous finish (under ``self._cond`` or its thread)."""

@@ -206,6 +206,7 @@ class PartialAllreduce(RoundRunner):
         self._activated_here: set[int] = set()
         self._flush_round: Optional[int] = None
         self._results: dict[int, Union[RoundResult, BaseException]] = {}
+        self._stop_round: Optional[int] = None  # the round that carried a stop: the thread ended after it
         self._error: Optional[BaseException] = None
         self._waiting_round: Optional[int] = None
         self._closing = False

@@ -61,6 +61,7 @@ class RoundRunner(EngineGroups):
     _activated_here: set[int]
     _flush_round: Optional[int]
     _results: dict[int, Union[RoundResult, BaseException]]
+    _stop_round: Optional[int]
     _waiting_round: Optional[int]
     _stop_requested: bool
     _in_round: bool
@@ -93,6 +94,8 @@ class RoundRunner(EngineGroups):
                 with self._cond:
                     self._results[r] = result
                     self._in_round = False
+                    if result.stats.stop:
+                        self._stop_round = r
                     self._cond.notify_all()
                 control.collect(r, activated_through_store=not synchronous)
                 if result.stats.flush or result.stats.stop:
