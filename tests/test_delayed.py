@@ -85,22 +85,14 @@ def test_every_rank_applies_the_same_results_in_order(skewed):
 
 
 def test_update_is_the_sample_weighted_mean_and_nothing_is_lost(skewed):
-    results = {r: (t, counts) for r, t, counts in rounds_of(skewed[0])}
-    expected_sum = {r: torch.zeros(3, dtype=torch.float64) for r in results}
+    results = check_sums_and_conservation(skewed)  # sum of gradients / sum of samples; conservation
     for rank, record in enumerate(skewed):
         per_round = {}
-        for g, b, into, _ in record["deposits"]:
-            expected_sum[into] += g * b
+        for _, b, into, _ in record["deposits"]:
             per_round[into] = per_round.get(into, 0) + b
         for r, (_, counts) in results.items():  # each round carried exactly the samples deposited for it
             assert counts[rank] == per_round.get(r, 0), (rank, r)
-    for r, (tensor, counts) in results.items():
-        total = sum(counts)
-        assert total > 0
-        assert torch.equal(tensor, expected_sum[r] / total), r  # sum of gradients / sum of samples
-    deposited = sum(g * b for record in skewed for g, b, _, _ in record["deposits"])
-    applied = sum(t * sum(c) for t, c in results.values())
-    assert torch.allclose(applied, deposited, rtol=0, atol=1e-9)  # conservation: nothing pending is lost
+    assert all(sum(counts) > 0 for _, counts in results.values())
 
 
 def test_delay_is_exactly_one_round(skewed):

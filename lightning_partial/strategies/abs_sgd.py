@@ -387,12 +387,12 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             max_epochs=max_epochs,
             max_rounds=max_rounds,
             name=f"abs_sgd-{index}",
-            **self._finish(max_epochs, max_rounds),
+            **self._finish_thresholds(max_epochs, max_rounds),
         )
         return DelayedAllreduce(config, store=store, rank=self.global_rank, world_size=self.world_size,
                                 like=[p.detach() for p in params])
 
-    def _finish(self, max_epochs: Optional[int], max_rounds: Optional[int]) -> dict[str, Optional[int]]:
+    def _finish_thresholds(self, max_epochs: Optional[int], max_rounds: Optional[int]) -> dict[str, Optional[int]]:
         """The engine's ``sync_from_samples`` and ``sync_from`` for ``final_sync`` (empty when it is off)."""
         if not self.final_sync:
             return {}
