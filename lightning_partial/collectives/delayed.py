@@ -245,6 +245,11 @@ class DelayedAllreduce(PartialAllreduce):
         with self._cond:
             return None if self._sync_from is None else self._sync_from + 1
 
+    def is_fresh(self, round_index: int) -> bool:
+        """Whether every contribution to round ``round_index`` was computed on the weights it is applied to."""
+        fresh_from = self.fresh_from
+        return fresh_from is not None and round_index >= fresh_from
+
     @property
     def final_round(self) -> Optional[int]:
         """The final round, once it has completed on this rank."""

@@ -459,8 +459,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         params = self._params[index]
         engine = self._engines[index]
         prediction = self._prediction_in_force()
-        fresh_from = engine.fresh_from
-        if fresh_from is not None and engine.started_round + 1 >= fresh_from:
+        if engine.is_fresh(engine.started_round + 1):
             prediction = None  # the synchronous finish: this gradient is applied before any other update
         steps_before = self._accumulator.steps(index)  # the weights this micro-batch's gradient is computed on
         if prediction is None:
@@ -496,13 +495,13 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         weights = self._staleness.get(index, StalenessWeights())
         params = self._params[index]
         accumulator = self._accumulator
-        fresh_from = self._engines[index].fresh_from
+        engine = self._engines[index]
         steps = 0
         for k, result in enumerate(results):
             due = accumulator.add(index, result.tensors, divisor=result.stats.divisor,
                                   samples=int(result.stats.contributions))
             # The step's first round (the rounds come in order, each once): in the synchronous
-            # finish, from fresh_from on, every micro-batch was computed on the current weights.
+            # finish, from its second round on, every micro-batch was computed on the current weights.
             first_round = result.stats.round_index - accumulator.pending(index) + 1
             result.release()
             self._record(index, result.stats)
@@ -514,8 +513,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             # computed: one optimizer step late, but for the first step of an optimizer without state
             # (no step came between those micro-batches and this one), which is fresh, and for the
             # steps of the synchronous finish (the same rounds on every rank).
-            fresh = fresh_from is not None and first_round >= fresh_from
-            staleness = 1 if not fresh and any(optimizer.state.get(p) for p in params) else 0
+            staleness = 1 if not engine.is_fresh(first_round) and any(optimizer.state.get(p) for p in params) else 0
             weight = compensation.gradient_weight(optimizer, weights, staleness)
             for p, g in zip(params, accumulator.take(index)):
                 if p.grad is None:
