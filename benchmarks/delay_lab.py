@@ -17,6 +17,9 @@ late, the way a strategy's rounds deliver them:
 * ``sync_first``, ``sync_last``: the fraction of the steps, at the start or at
   the end of the fit, in which every gradient is fresh (the strategies'
   ``final_sync``); the gradients pending at the switch arrive at its first step.
+* ``sync_pred``: whether ``pred`` holds in those synchronous steps too (a look-ahead there, as the
+  strategies do; ``False``: computed at the current weights):
+  ``benchmarks/results/delay_lab_finish_pred.json``.
 
 It isolates the update rule from the transport, the timing and the host: a
 fit is a pure function of its seed. Fits run two at a time, one thread each::
@@ -51,6 +54,7 @@ class Setting:
     retime: bool = False
     sync_first: float = 0.0
     sync_last: float = 0.0
+    sync_pred: bool = True
 
 
 SETTINGS: dict[str, Setting] = {
@@ -67,6 +71,8 @@ SETTINGS: dict[str, Setting] = {
     # A synchronous phase at the start or at the end (the strategies' final_sync): benchmarks/results/delay_lab_finish.json.
     **{f"late_pr_{where}{pct}": Setting(fresh=0, pred=1.0, retime=True, **{f"sync_{where}": pct / 100})
        for where, pcts in (("first", (10, 25)), ("last", (3, 5, 10, 25))) for pct in pcts},
+    **{f"late_pr_last{pct}_nopred": Setting(fresh=0, pred=1.0, retime=True, sync_last=pct / 100, sync_pred=False)
+       for pct in (5, 25)},
     **{f"solo_pi_{where}{pct}": Setting(fresh=1, pred=1.0, late_weight=0.5, **{f"sync_{where}": pct / 100})
        for where, pcts in (("first", (10, 25)), ("last", (3, 5, 10, 25))) for pct in pcts},
 }
@@ -119,11 +125,12 @@ def fit(name: str, seed: int, epochs: int = 8) -> dict:
         perm = torch.randperm(len(train), generator=order).tolist()
         for s in range(steps_per_epoch):
             idx = perm[s * WORKERS * BATCH:(s + 1) * WORKERS * BATCH]
-            shift = [u * setting.pred for u in last_update] if setting.pred and last_update is not None else None
-            fresh = [torch.zeros_like(p) for p in params]
-            late = [torch.zeros_like(p) for p in params]
             t = epoch * steps_per_epoch + s
             synchronous = t < setting.sync_first * total or t >= (1 - setting.sync_last) * total
+            predict = setting.pred and last_update is not None and (setting.sync_pred or not synchronous)
+            shift = [u * setting.pred for u in last_update] if predict else None
+            fresh = [torch.zeros_like(p) for p in params]
+            late = [torch.zeros_like(p) for p in params]
             on_time = WORKERS if synchronous else setting.fresh
             for w in range(WORKERS):
                 grads, loss = gradient(pad_pairs([train[i] for i in idx[w * BATCH:(w + 1) * BATCH]]), shift)

@@ -291,6 +291,7 @@ def run_worker(args: argparse.Namespace) -> int:
             trigger = {"target_samples": args.target_samples}
         strategy: Any = lightning_partial.ABSSGDStrategy(**trigger, reference_samples=args.reference_samples,
                                                          step_samples=args.step_samples,
+                                                         step_boundary=args.step_boundary,
                                                          staleness_rule=args.staleness_rule,
                                                          weight_prediction=args.weight_prediction,
                                                          final_sync=args.final_sync)
@@ -448,6 +449,7 @@ def worker_command(args: argparse.Namespace, name: str) -> list[str]:
             "--batch-size", str(args.batch_size), "--speed", ",".join(map(str, args.speed)),
             *[item for option, value in optional.items() if value is not None for item in (option, str(value))],
             "--reference-samples", str(args.reference_samples).lower(), "--step-samples", str(args.step_samples).lower(),
+            "--step-boundary", args.step_boundary,
             "--adaptive" if args.adaptive else "--no-adaptive", "--lr", str(args.lr),
             "--momentum", str(args.momentum), "--optimizer", args.optimizer, "--staleness-rule", args.staleness_rule,
             "--lr-schedule", args.lr_schedule,
@@ -580,7 +582,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             "staleness_rule": args.staleness_rule, "weight_prediction": args.weight_prediction,
             "speed": args.speed, "target_samples": args.target_samples if args.interval is None else None,
             "interval": args.interval, "reference_samples": args.reference_samples,
-            "step_samples": args.step_samples,
+            "step_samples": args.step_samples, "step_boundary": args.step_boundary,
             "adaptive": args.adaptive, "final_sync": args.final_sync,
             "abs_epochs": args.abs_epochs, "steps": args.steps, "batch_size": args.batch_size,
             "abs_batch_size": args.abs_batch_size, "repeats": args.repeats, "threads": args.threads,
@@ -650,6 +652,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--step-samples", type=samples_option, default=GLOBAL_BATCH,
                         help="abs_sgd's step_samples: an integer, global_batch (default, the strategy's: one "
                              "optimizer step per global batch) or none (one step per round, the paper's)")
+    parser.add_argument("--step-boundary", choices=("nearest", "at_least"), default="nearest",
+                        help="abs_sgd's step_boundary (default nearest, the strategy's)")
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
                         help="abs_sgd with AdaptiveBatchSize (default: no; it costs throughput here, see docs/benchmarks.md)")
     parser.add_argument("--abs-epochs", type=int, default=1,

@@ -258,25 +258,28 @@ def test_step_lags_count_the_optimizer_steps_between_a_gradients_weights_and_its
 
 def test_synchronous_finish_applies_its_micro_batches_on_time(tmp_path):
     """One rank, ``final_sync=0.3`` of 10 rounds: rounds 7-9 are synchronous, each micro-batch handed back in its
-    own round; round 7's gradient still lacks round 6's update (lag 1), rounds 8 and 9 are on time (lag 0),
-    computed at the current weights (no prediction in force there), and the flush finds nothing left."""
+    own round; round 7's gradient still lacks round 6's update (lag 1), rounds 8 and 9 are on time (lag 0). Weight
+    prediction stays in force there, as a look-ahead: round 9's forward pass sees exactly w + (w - w_before), round
+    8's step being the only one since (it was applied at once). The flush finds nothing left."""
     import lightning as L
 
-    batches, predicted = [], []
+    batches, predicted, actual, seen = [], [], [], []
 
     class Count(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             batches.append(len(batch[0]))
-            self.weights = [p.detach().clone() for p in pl_module.parameters()]
+            actual.append([p.detach().clone() for p in pl_module.parameters()])
 
         def on_before_backward(self, trainer, pl_module, loss):  # inside the forward's weights
-            predicted.append(any(not torch.equal(p, w) for p, w in zip(pl_module.parameters(), self.weights)))
+            seen.append([p.detach().clone() for p in pl_module.parameters()])
+            predicted.append(any(not torch.equal(p, w) for p, w in zip(seen[-1], actual[-1])))
 
     strategy = ABSSGDStrategy(final_sync=0.3)
     _tiny_fit(strategy, tmp_path, max_steps=10, callbacks=[Count()])
     assert len(batches) == 10 and set(batches) == {8}  # no micro-batch left for the final round
-    # The last update predicted from micro-batch 2 on (round 0 is applied at micro-batch 1's deposit), none once fresh.
-    assert predicted == [False, False] + [True] * 6 + [False, False], predicted
+    # The last update predicted from micro-batch 2 on (round 0 is applied at micro-batch 1's deposit).
+    assert predicted == [False, False] + [True] * 8, predicted
+    assert all(torch.equal(s, w + (w - b)) for s, w, b in zip(seen[9], actual[9], actual[8]))
     assert strategy.step_lags.histogram(0) == {0: 8 * 3, 1: 8 * 7}
     assert strategy.round_stats[0].flush and strategy.round_stats[0].contributions == 0
     assert strategy.update_rule()["final_sync"] == 0.3

@@ -93,6 +93,7 @@ CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("abs_sgd step_samples 0", lambda: ABSSGDStrategy(step_samples=0), r"step_samples"),
     ("abs_sgd step_samples unknown word", lambda: ABSSGDStrategy(step_samples="batch"), r"step_samples"),
     ("abs_sgd step_samples a float", lambda: ABSSGDStrategy(step_samples=64.0), r"step_samples"),
+    ("abs_sgd step_boundary unknown", lambda: ABSSGDStrategy(step_boundary="round"), r"step_boundary"),
     ("abs_sgd unknown staleness rule", lambda: ABSSGDStrategy(staleness_rule="spike"), r"staleness_rule"),
     # engine configurations and schedules
     ("engine config name with slash", lambda: PartialAllreduceConfig(name="a/b"), r"name"),

@@ -167,6 +167,28 @@ def test_round_accumulator_steps_once_per_global_batch_on_the_rounds_sum():
         accumulator.take(0)
 
 
+def test_round_accumulator_ends_a_step_at_the_round_nearest_to_step_samples():
+    """boundary="nearest" (the default): a step ends at the round after which one more round of the same size
+    would overshoot step_samples by at least as much as stopping falls short; "at_least" waits to reach them.
+    The decision reads only the round's (global) samples, so every rank steps at the same rounds."""
+    one = [torch.tensor([1.0])]
+    nearest, at_least = RoundAccumulator(step_samples=8, reference_samples=8), \
+        RoundAccumulator(step_samples=8, reference_samples=8, boundary="at_least")
+    # 6 of 8: stopping falls short by 2, another round of 6 would overshoot by 4: step now (at_least: wait).
+    assert nearest.add(0, one, divisor=8.0, samples=6) and not at_least.add(0, one, divisor=8.0, samples=6)
+    assert at_least.add(0, one, divisor=8.0, samples=6) and at_least.take(0)[0].item() == 2.0  # 12 samples, 2 rounds
+    assert nearest.take(0)[0].item() == 1.0 and nearest.steps(0) == 1
+    # 5 of 8: short by 3, one more round of 5 overshoots by 2: wait. A tie (6, then a round of 4: short by 2, over
+    # by 2) steps.
+    assert not nearest.add(0, one, divisor=8.0, samples=5)
+    assert nearest.add(0, one, divisor=8.0, samples=3) and nearest.take(0)[0].item() == 2.0
+    assert not nearest.add(0, one, divisor=8.0, samples=2) and nearest.add(0, one, divisor=8.0, samples=4)
+    # Whatever the boundary, nothing is left out: each step's sum holds every round added since the last.
+    assert nearest.take(0)[0].item() == 2.0 and nearest.pending(0) == 0
+    with pytest.raises(ValueError, match="unknown step boundary 'round'"):
+        RoundAccumulator(step_samples=8, reference_samples=8, boundary="round")
+
+
 def test_round_accumulator_without_a_reference_takes_the_sample_weighted_mean():
     """reference_samples=None: each result is its round's mean over its samples (the divisor); the step is
     the mean over the step's samples: (2 * m1 + 6 * m2) / 8."""

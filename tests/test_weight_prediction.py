@@ -117,6 +117,7 @@ def test_the_update_rule_is_logged_as_hyperparameters(tmp_path, name, rule, pred
     assert hparams["partial/staleness_rule"] == rule
     if name == "abs_sgd":
         assert hparams["partial/step_samples"] == "global_batch"  # one optimizer step per global batch
+        assert hparams["partial/step_boundary"] == "nearest"  # the step ends at the round nearest to it
 
 
 @pytest.mark.timeout(120)

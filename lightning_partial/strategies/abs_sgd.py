@@ -54,8 +54,8 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   rank's every micro-batch joins the next round, which waits for the slowest,
   and its result is applied at once (the engine's ``sync_from_samples`` and
   ``sync_from``). From the second such round on the gradients are fresh: no
-  weight prediction, no staleness rule (a step holding an older round keeps
-  both); the fit ends on DDP's rounds, summed by samples. The threshold is the
+  staleness rule (a step holding an older round keeps it); weight prediction
+  stays, as a look-ahead; the fit ends on DDP's rounds, summed by samples. The threshold is the
   same on every rank (global samples from the round headers) and survives a
   resume (it is counted from the fit's first round).
 * **Checkpoints** hold the round counter, each rank's pending gradient sum and
@@ -91,7 +91,7 @@ from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.collectives.checks import is_int_at_least
 from lightning_partial.data import ElasticBatchSampler
 from lightning_partial.strategies import compensation
-from lightning_partial.strategies.accumulation import RoundAccumulator
+from lightning_partial.strategies.accumulation import BOUNDARIES, RoundAccumulator
 from lightning_partial.strategies.checkpoint import state_for_rank
 from lightning_partial.strategies.final_sync import first_sync_round
 from lightning_partial.strategies.options import StrategyOptions
@@ -169,6 +169,14 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             per round (the paper's rule). Whatever is accumulated at the end of fit
             is stepped then; checkpoints keep it. Costs two parameter-sized buffers
             (the sum, and the last step's gradient, reused for the next sum).
+        step_boundary: where a step of ``step_samples`` ends, as rounds come in
+            units of several micro-batches: ``"nearest"`` (default): at the round
+            that brings the step's samples nearest to ``step_samples`` (the next
+            round assumed as large as the last: the decision is the same on every
+            rank), so the steps hold about DDP's batch and are about as many;
+            ``"at_least"``: at the first round that reaches them (steps a quarter
+            larger and a fifth fewer under persistent heterogeneity, which with
+            every step a round late cost progress per sample; docs/staleness.md).
         staleness_rule: how a step's gradient, applied one round late, enters the optimizer.
             ``"auto"`` (default): ``"momentum"`` with ``torch.optim.SGD`` and momentum
             ``mu``, and with ``torch.optim.Adam`` or ``AdamW`` (``mu = beta1``);
@@ -219,6 +227,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         interval: Optional[float] = None,
         reference_samples: Union[int, str, None] = "global_batch",
         step_samples: Union[int, str, None] = "global_batch",
+        step_boundary: str = "nearest",
         staleness_rule: str = "auto",
         weight_prediction: bool = True,
         final_sync: float = 0.05,
@@ -242,8 +251,11 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                 f"abs_sgd: step_samples must be an integer >= 1, {GLOBAL_BATCH!r} or None, got {step_samples!r}"
             )
         self.step_samples = step_samples
+        if step_boundary not in BOUNDARIES:
+            raise ValueError(f"abs_sgd: unknown step_boundary {step_boundary!r}: expected one of {', '.join(BOUNDARIES)}")
+        self.step_boundary = step_boundary
         # Holds tensors only during a fit (and a checkpoint's until train start): pickle-safe before it.
-        self._accumulator = RoundAccumulator(step_samples=None, reference_samples=None)
+        self._accumulator = RoundAccumulator(step_samples=None, reference_samples=None, boundary=step_boundary)
         # Validated now; at set-up the target defaults to the micro-batch size and the reference to
         # the global batch (neither known yet: 1 stands in).
         self._delayed_config(target_samples=1 if target_samples is None and trigger == "samples" else target_samples,
@@ -433,8 +445,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
 
     @override
     def update_rule(self) -> dict[str, Any]:
-        """The base class's, and ``step_samples`` as configured (``"global_batch"``, an integer, or ``None``)."""
-        return {**super().update_rule(), "step_samples": self.step_samples}
+        """The base class's, ``step_samples`` as configured (``"global_batch"``, an integer, or ``None``) and
+        ``step_boundary``."""
+        return {**super().update_rule(), "step_samples": self.step_samples, "step_boundary": self.step_boundary}
 
     # ------------------------------------------------------------- training
     @override
@@ -458,9 +471,10 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         """The micro-batch (closure), its deposit, then one optimizer step per round result now due."""
         params = self._params[index]
         engine = self._engines[index]
+        # In the synchronous finish too, where the gradient is applied before any other update: there the
+        # prediction is a look-ahead (as Nesterov's), as in eager_sgd's finish; measured better under AdamW
+        # (docs/staleness.md, abs_sgd's finish), within noise under SGD momentum.
         prediction = self._prediction_in_force()
-        if engine.is_fresh(engine.started_round + 1):
-            prediction = None  # the synchronous finish: this gradient is applied before any other update
         steps_before = self._accumulator.steps(index)  # the weights this micro-batch's gradient is computed on
         if prediction is None:
             output = closure()
@@ -500,8 +514,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         for k, result in enumerate(results):
             due = accumulator.add(index, result.tensors, divisor=result.stats.divisor,
                                   samples=int(result.stats.contributions))
-            # The step's first round (the rounds come in order, each once): in the synchronous
-            # finish, from its second round on, every micro-batch was computed on the current weights.
+            # The step's first round (the rounds come in order, each once): in the synchronous finish,
+            # from its second round on, every micro-batch was computed after every earlier result was applied.
             first_round = result.stats.round_index - accumulator.pending(index) + 1
             result.release()
             self._record(index, result.stats)

@@ -9,13 +9,21 @@ normalises the scale away and takes a full step per round.
 
 :class:`RoundAccumulator` adds the round results as they are applied (each
 the round's gradient sum over its divisor, rescaled to the step's), until
-the rounds hold ``step_samples`` samples; the optimizer then steps once on
+the rounds hold about ``step_samples`` samples; the optimizer then steps once on
 their gradient sum over the step's divisor (``reference_samples`` when set:
 the linear scaling rule over the whole step; otherwise the step's samples:
 the sample-weighted mean). Every
 rank receives the same results in the same order, so every rank adds the same
 tensors in the same order and steps at the same rounds: replicas stay
-bit-identical. Nothing is lost: what is accumulated when the fit ends is
+bit-identical. Where the step ends (``boundary``): at the round that brings the
+samples *nearest* to ``step_samples`` (``"nearest"``, the next round assumed as
+large as the last: a step ends at the round after which one more would overshoot
+by at least as much as stopping now falls short) or at the first round that
+reaches them (``"at_least"``). Rounds come in units of several micro-batches
+(about half of DDP's batch under persistent heterogeneity): "at least" then
+makes the steps a quarter larger than DDP's and a fifth fewer, and each step is a
+round late, so fewer, larger steps cost progress per sample; "nearest" keeps
+about DDP's number of steps (docs/staleness.md). Nothing is lost: what is accumulated when the fit ends is
 stepped at its end, and checkpoints keep it (``ACCUMULATED_KEY``).
 
 Main thread only; no collective.
@@ -31,7 +39,10 @@ from torch import Tensor
 
 from lightning_partial.strategies.fit_state import CheckpointedState
 
-__all__ = ["ACCUMULATED_KEY", "RoundAccumulator"]
+__all__ = ["ACCUMULATED_KEY", "BOUNDARIES", "RoundAccumulator"]
+
+#: Where a step ends: see the module docstring.
+BOUNDARIES = ("nearest", "at_least")
 
 #: The checkpoint entry: ``{index: {"sum": [tensor per parameter] or None, "samples": int, "rounds": int,
 #: "steps": int}}`` (``sum``: the rounds' gradient sums over ``reference_samples``, or plain sums without it).
@@ -51,17 +62,21 @@ class RoundAccumulator(CheckpointedState):
     """Per optimizer index: the round results added since its last step.
 
     Args:
-        step_samples: the optimizer steps once the added rounds hold at least this
-            many samples (``None``: after every round).
+        step_samples: the samples of a step (``None``: a step after every round).
         reference_samples: the divisor of a step's gradient sum (``None``: the
             step's samples).
+        boundary: ``"nearest"`` (default) or ``"at_least"`` (see the module docstring).
     """
 
     checkpoint_key = ACCUMULATED_KEY
 
-    def __init__(self, step_samples: Optional[int], reference_samples: Optional[int]) -> None:
+    def __init__(self, step_samples: Optional[int], reference_samples: Optional[int], *,
+                 boundary: str = "nearest") -> None:
+        if boundary not in BOUNDARIES:
+            raise ValueError(f"unknown step boundary {boundary!r}: expected one of {', '.join(BOUNDARIES)}")
         self.step_samples = step_samples
         self.reference_samples = reference_samples
+        self.boundary = boundary
         self._state: dict[int, _Accumulated] = {}
         self._resumed: Optional[dict[int, dict[str, Any]]] = None
 
@@ -86,7 +101,11 @@ class RoundAccumulator(CheckpointedState):
             torch._foreach_add_(state.sum, list(tensors), alpha=scale)
         state.samples += samples
         state.rounds += 1
-        return self.step_samples is None or state.samples >= self.step_samples
+        if self.step_samples is None or state.samples >= self.step_samples:
+            return True
+        # "nearest": stopping now falls short by step - s; one more round of about this one's size (r) would
+        # overshoot by s + r - step. Decided from the round's global samples: the same on every rank.
+        return self.boundary == "nearest" and 2 * state.samples + samples >= 2 * self.step_samples
 
     def pending(self, index: int) -> int:
         """Rounds added since the last step of optimizer ``index``."""
