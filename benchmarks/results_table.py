@@ -167,6 +167,11 @@ def abs_sgd_label(heterogeneity: Json) -> str:
         changed.append("weight_prediction=False")
     if heterogeneity.get("staleness_rule", "auto") != "auto":
         changed.append(f"staleness_rule={heterogeneity['staleness_rule']!r}")
+    # Absent: a run from before the option (no synchronous finish; steps ended at the first round to reach B).
+    if heterogeneity.get("final_sync", 0.0) != 0.05:
+        changed.append(f"final_sync={heterogeneity.get('final_sync', 0.0)}")
+    if heterogeneity.get("step_boundary", "at_least") != "nearest":
+        changed.append(f"step_boundary={heterogeneity.get('step_boundary', 'at_least')!r}")
     return "`abs_sgd` " + (f"(`{', '.join(changed)}`)" if changed else "(defaults)")
 
 

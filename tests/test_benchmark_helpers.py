@@ -1,10 +1,13 @@
 """The heterogeneity benchmark's helpers: the no-communication bound, the workers' command line, the loss
 window, the CPU accounting, and the cnn task's data and model."""
 
+import inspect
+
 import pytest
 import torch
 
 from benchmarks import heterogeneity
+from lightning_partial import ABSSGDStrategy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,6 +59,8 @@ def test_the_workers_get_every_option_the_parent_has(argv):
 def test_abs_sgd_runs_at_the_strategy_defaults_unless_told_and_bad_sample_options_fail():
     args = heterogeneity.build_parser().parse_args([])
     assert (args.target_samples, args.reference_samples, args.step_samples) == (None, "global_batch", "global_batch")
+    defaults = inspect.signature(ABSSGDStrategy).parameters
+    assert (args.step_boundary, args.final_sync) == (defaults["step_boundary"].default, defaults["final_sync"].default)
     assert heterogeneity.default_lr(args) == 0.04  # plain SGD's 0.4 at momentum 0.9
     paper = heterogeneity.build_parser().parse_args(["--reference-samples", "none", "--step-samples", "none"])
     assert (paper.reference_samples, paper.step_samples) == (None, None)
@@ -136,3 +141,12 @@ def test_readme_result_tables_match_the_results_files():
     from benchmarks import results_table
 
     assert results_table.main(["--check"]) == 0, "run: python -m benchmarks.results_table"
+
+
+def test_the_readme_labels_an_abs_sgd_run_by_what_differs_from_todays_defaults():
+    """A heterogeneity file from before final_sync and step_boundary existed ran neither (no finish; steps ended at
+    the first round reaching the global batch): its README row says so."""
+    from benchmarks.results_table import abs_sgd_label
+
+    assert abs_sgd_label({"final_sync": 0.05, "step_boundary": "nearest"}) == "`abs_sgd` (defaults)"
+    assert abs_sgd_label({}) == "`abs_sgd` (`final_sync=0.0, step_boundary='at_least'`)"

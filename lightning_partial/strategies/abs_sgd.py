@@ -21,8 +21,8 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   (:mod:`~lightning_partial.strategies.step_lag`; ``StalenessTracker`` logs it).
 * **One optimizer step per global batch** (``step_samples="global_batch"``):
   the results are added (:mod:`~lightning_partial.strategies.accumulation`)
-  until the rounds since the last step hold the samples of a synchronous
-  step; the optimizer then steps once on their sum over the global batch
+  until the rounds since the last step hold about the samples of a synchronous
+  step (``step_boundary``: the round nearest to them); the optimizer then steps once on their sum over the global batch
   (``reference_samples="global_batch"``). Rounds are small (every fast rank's
   micro-batch may start one); an optimizer stepping per round takes as many
   steps, each on a fraction of DDP's batch, which an Adam-like optimizer
@@ -162,10 +162,11 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             Gradient clipping sees the scaled gradient. Checkpoints keep the
             results not yet applied as they were computed.
         step_samples: ``"global_batch"`` (default): the optimizer steps once the
-            rounds applied since its last step hold at least the global batch of a
-            synchronous step (as ``reference_samples``), on their gradient sum over
-            ``reference_samples`` (with ``reference_samples=None``: over their
-            samples). An integer: at least that many samples. ``None``: one step
+            rounds applied since its last step hold about the global batch of a
+            synchronous step (as ``reference_samples``; where the step ends:
+            ``step_boundary``), on their gradient sum over ``reference_samples``
+            (with ``reference_samples=None``: over their samples). An integer:
+            about that many samples. ``None``: one step
             per round (the paper's rule). Whatever is accumulated at the end of fit
             is stepped then; checkpoints keep it. Costs two parameter-sized buffers
             (the sum, and the last step's gradient, reused for the next sum).

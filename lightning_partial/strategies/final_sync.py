@@ -8,10 +8,10 @@ and Adam most of all. ``final_sync=f`` makes the last ``f`` of the fit's
 optimizer steps fully synchronous rounds (every rank arrives; the pending late
 gradients are applied in the first of them; a model-averaging round is a
 global average): the fit ends as DDP's would from where the fast phase left
-it. It costs the straggler's wait for those rounds only. ``eager_sgd`` keeps
-its weight prediction there (a fresh gradient at the predicted weights is a
-look-ahead gradient, as Nesterov's); ``abs_sgd``, whose prediction is the
-one-round delay's, computes them at the current weights. The measurement that chose the default
+it. It costs the straggler's wait for those rounds only. ``eager_sgd`` and
+``abs_sgd`` keep their weight prediction there (a fresh gradient at the
+predicted weights is a look-ahead gradient, as Nesterov's; under AdamW it
+measured better than the current weights). The measurement that chose the default
 is in ``docs/staleness.md#the-synchronous-finish``.
 
 The rounds are counted against ``trainer.estimated_stepping_batches`` (the
