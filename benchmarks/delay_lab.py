@@ -19,7 +19,12 @@ late, the way a strategy's rounds deliver them:
   ``final_sync``); the gradients pending at the switch arrive at its first step.
 * ``sync_pred``: whether ``pred`` holds in those synchronous steps too (a look-ahead there, as the
   strategies do; ``False``: computed at the current weights):
-  ``benchmarks/results/delay_lab_finish_pred.json``.
+  ``benchmarks/results/delay_lab_finish_pred.json``;
+* ``gap``: gap-aware damping of the late gradients (Barkai, Hakimi, Schuster, *Gap-Aware Mitigation of
+  Gradient Staleness*, ICLR 2020): each coordinate divided by ``1 + gap * |w - w_c| / s``, ``w_c`` the
+  weights it was computed at (prediction included), ``s`` a running mean of the update's size
+  (coefficient 0.9); the damped share is dropped (a lab, not a rule of the library):
+  ``benchmarks/results/delay_lab_gap.json``.
 
 It isolates the update rule from the transport, the timing and the host: a
 fit is a pure function of its seed. Fits run two at a time, one thread each::
@@ -55,6 +60,7 @@ class Setting:
     sync_first: float = 0.0
     sync_last: float = 0.0
     sync_pred: bool = True
+    gap: float = 0.0
 
 
 SETTINGS: dict[str, Setting] = {
@@ -73,6 +79,10 @@ SETTINGS: dict[str, Setting] = {
        for where, pcts in (("first", (10, 25)), ("last", (3, 5, 10, 25))) for pct in pcts},
     **{f"late_pr_last{pct}_nopred": Setting(fresh=0, pred=1.0, retime=True, sync_last=pct / 100, sync_pred=False)
        for pct in (5, 25)},
+    "late_pr_gap": Setting(fresh=0, pred=1.0, retime=True, gap=1.0),
+    "late_pr_gap_last5": Setting(fresh=0, pred=1.0, retime=True, gap=1.0, sync_last=0.05),
+    "late_pr_gap2_last5": Setting(fresh=0, pred=1.0, retime=True, gap=0.5, sync_last=0.05),
+    "late_pr_gap4_last5": Setting(fresh=0, pred=1.0, retime=True, gap=0.25, sync_last=0.05),
     **{f"solo_pi_{where}{pct}": Setting(fresh=1, pred=1.0, late_weight=0.5, **{f"sync_{where}": pct / 100})
        for where, pcts in (("first", (10, 25)), ("last", (3, 5, 10, 25))) for pct in pcts},
 }
@@ -119,6 +129,7 @@ def fit(name: str, seed: int, epochs: int = 8) -> dict:
     order = torch.Generator().manual_seed(seed)
     steps_per_epoch = len(train) // (WORKERS * BATCH)
     last_update, pending, losses = None, None, []
+    pending_at, scale = None, None
     started = time.perf_counter()
     total = epochs * steps_per_epoch
     for epoch in range(epochs):
@@ -136,8 +147,16 @@ def fit(name: str, seed: int, epochs: int = 8) -> dict:
                 grads, loss = gradient(pad_pairs([train[i] for i in idx[w * BATCH:(w + 1) * BATCH]]), shift)
                 losses.append(loss)
                 torch._foreach_add_(fresh if w < on_time else late, grads, alpha=1.0 / WORKERS)
-            arriving = pending
+            arriving, arriving_at = pending, pending_at
             pending = late  # applied at the next step
+            if setting.gap:  # the weights the late gradients were computed at
+                pending_at = [p.detach() + sh if sh is not None else p.detach().clone()
+                              for p, sh in zip(params, shift or [None] * len(params))]
+            if setting.gap and arriving is not None and scale is not None:
+                # Gap-aware damping (Barkai et al. 2020): per coordinate, by the distance from the weights the
+                # gradient was computed at to those it is applied to, in units of the running mean update size.
+                for a, p, c, sc in zip(arriving, params, arriving_at, scale):
+                    a.div_(1.0 + setting.gap * (p.detach() - c).abs() / (sc + 1e-12))
             if arriving is not None:
                 torch._foreach_mul_(arriving, setting.late_weight)
             for p, g, a in zip(params, fresh, arriving or [None] * len(params)):
@@ -147,6 +166,9 @@ def fit(name: str, seed: int, epochs: int = 8) -> dict:
             if setting.retime and arriving is not None:
                 retime_adam(opt, params, arriving, 1)
             last_update = [p.detach() - b for p, b in zip(params, before)]
+            if setting.gap:
+                scale = [u.abs() for u in last_update] if scale is None else \
+                    [0.9 * sc + 0.1 * u.abs() for sc, u in zip(scale, last_update)]
     net.eval()
     correct = count = 0
     with torch.no_grad():
