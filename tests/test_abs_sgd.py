@@ -83,8 +83,8 @@ def test_fit_two_epochs_under_persistent_heterogeneity(tmp_path):
         assert len(record["epoch_batches"]) == 2  # no rank ran out of data or waited at an epoch end
     steps = {r["global_step"] for r in records}
     assert len(steps) == 1  # global_step counts the optimizer steps: the same everywhere
-    # step_samples="global_batch": a step per about 64 samples (at least 2/3 of them), and a round holds fewer (a fast rank's 16 and what
-    # the others had ready): fewer steps than rounds.
+    # step_samples="global_batch": a step per about 64 samples (at least 2/3 of them), and a round holds fewer (a
+    # fast rank's 16 and what the others had ready): fewer steps than rounds.
     rounds = records[0]["last_round"]["round"]
     assert 0 < steps.pop() < rounds, (records[0]["global_step"], rounds)
     # Samples, not batches: AdaptiveBatchSize shrinks the slow rank's micro-batches, so that it may draw

@@ -185,7 +185,7 @@ def test_round_accumulator_ends_a_step_at_the_round_nearest_to_step_samples():
     assert not nearest.add(0, one, divisor=8.0, samples=2) and nearest.add(0, one, divisor=8.0, samples=4)
     # Whatever the boundary, nothing is left out: each step's sum holds every round added since the last.
     assert nearest.take(0)[0].item() == 2.0 and nearest.pending(0) == 0
-    with pytest.raises(ValueError, match="unknown step boundary 'round'"):
+    with pytest.raises(ValueError, match="RoundAccumulator: unknown step_boundary 'round'"):
         RoundAccumulator(step_samples=8, reference_samples=8, boundary="round")
 
 

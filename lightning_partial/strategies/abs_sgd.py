@@ -21,8 +21,9 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   (:mod:`~lightning_partial.strategies.step_lag`; ``StalenessTracker`` logs it).
 * **One optimizer step per global batch** (``step_samples="global_batch"``):
   the results are added (:mod:`~lightning_partial.strategies.accumulation`)
-  until the rounds since the last step hold about the samples of a synchronous
-  step (``step_boundary``: the round nearest to them); the optimizer then steps once on their sum over the global batch
+  until the rounds since the last step hold about the samples of a
+  synchronous step (``step_boundary``: the round nearest to them); the
+  optimizer then steps once on their sum over the global batch
   (``reference_samples="global_batch"``). Rounds are small (every fast rank's
   micro-batch may start one); an optimizer stepping per round takes as many
   steps, each on a fraction of DDP's batch, which an Adam-like optimizer
@@ -55,9 +56,9 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   and its result is applied at once (the engine's ``sync_from_samples`` and
   ``sync_from``). From the second such round on the gradients are fresh: no
   staleness rule (a step holding an older round keeps it); weight prediction
-  stays, as a look-ahead; the fit ends on DDP's rounds, summed by samples. The threshold is the
-  same on every rank (global samples from the round headers) and survives a
-  resume (it is counted from the fit's first round).
+  stays, as a look-ahead; the fit ends on DDP's rounds, summed by samples.
+  The threshold is the same on every rank (global samples from the round
+  headers) and survives a resume (it is counted from the fit's first round).
 * **Checkpoints** hold the round counter, each rank's pending gradient sum and
   samples, the results not yet applied, and the global samples. Save at epoch
   ends, from a hook that every rank reaches, or with ``ModelCheckpoint(
@@ -91,7 +92,7 @@ from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.collectives.checks import is_int_at_least
 from lightning_partial.data import ElasticBatchSampler
 from lightning_partial.strategies import compensation
-from lightning_partial.strategies.accumulation import BOUNDARIES, RoundAccumulator
+from lightning_partial.strategies.accumulation import RoundAccumulator, check_boundary
 from lightning_partial.strategies.checkpoint import state_for_rank
 from lightning_partial.strategies.final_sync import first_sync_round
 from lightning_partial.strategies.options import StrategyOptions
@@ -252,9 +253,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                 f"abs_sgd: step_samples must be an integer >= 1, {GLOBAL_BATCH!r} or None, got {step_samples!r}"
             )
         self.step_samples = step_samples
-        if step_boundary not in BOUNDARIES:
-            raise ValueError(f"abs_sgd: unknown step_boundary {step_boundary!r}: expected one of {', '.join(BOUNDARIES)}")
-        self.step_boundary = step_boundary
+        self.step_boundary = check_boundary(step_boundary, owner=self.strategy_name)
         # Holds tensors only during a fit (and a checkpoint's until train start): pickle-safe before it.
         self._accumulator = RoundAccumulator(step_samples=None, reference_samples=None, boundary=step_boundary)
         # Validated now; at set-up the target defaults to the micro-batch size and the reference to

@@ -9,10 +9,10 @@ normalises the scale away and takes a full step per round.
 
 :class:`RoundAccumulator` adds the round results as they are applied (each
 the round's gradient sum over its divisor, rescaled to the step's), until
-the rounds hold about ``step_samples`` samples; the optimizer then steps once on
-their gradient sum over the step's divisor (``reference_samples`` when set:
-the linear scaling rule over the whole step; otherwise the step's samples:
-the sample-weighted mean). Every
+the rounds hold about ``step_samples`` samples; the optimizer then steps once
+on their gradient sum over the step's divisor (``reference_samples`` when
+set: the linear scaling rule over the whole step; otherwise the step's
+samples: the sample-weighted mean). Every
 rank receives the same results in the same order, so every rank adds the same
 tensors in the same order and steps at the same rounds: replicas stay
 bit-identical. Where the step ends (``boundary``): at the round that brings the
@@ -23,8 +23,9 @@ reaches them (``"at_least"``). Rounds come in units of several micro-batches
 (about half of DDP's batch under persistent heterogeneity): "at least" then
 makes the steps a quarter larger than DDP's and a fifth fewer, and each step is a
 round late, so fewer, larger steps cost progress per sample; "nearest" keeps
-about DDP's number of steps (docs/staleness.md). Nothing is lost: what is accumulated when the fit ends is
-stepped at its end, and checkpoints keep it (``ACCUMULATED_KEY``).
+about DDP's number of steps (docs/staleness.md). Nothing is lost: what is
+accumulated when the fit ends is stepped at its end, and checkpoints keep it
+(``ACCUMULATED_KEY``).
 
 Main thread only; no collective.
 """
@@ -39,10 +40,17 @@ from torch import Tensor
 
 from lightning_partial.strategies.fit_state import CheckpointedState
 
-__all__ = ["ACCUMULATED_KEY", "BOUNDARIES", "RoundAccumulator"]
+__all__ = ["ACCUMULATED_KEY", "BOUNDARIES", "RoundAccumulator", "check_boundary"]
 
 #: Where a step ends: see the module docstring.
 BOUNDARIES = ("nearest", "at_least")
+
+
+def check_boundary(boundary: object, *, owner: str) -> str:
+    """Validates a ``step_boundary`` (one of :data:`BOUNDARIES`) at construction; returns it."""
+    if not isinstance(boundary, str) or boundary not in BOUNDARIES:
+        raise ValueError(f"{owner}: unknown step_boundary {boundary!r}: expected one of {', '.join(BOUNDARIES)}")
+    return boundary
 
 #: The checkpoint entry: ``{index: {"sum": [tensor per parameter] or None, "samples": int, "rounds": int,
 #: "steps": int}}`` (``sum``: the rounds' gradient sums over ``reference_samples``, or plain sums without it).
@@ -72,11 +80,9 @@ class RoundAccumulator(CheckpointedState):
 
     def __init__(self, step_samples: Optional[int], reference_samples: Optional[int], *,
                  boundary: str = "nearest") -> None:
-        if boundary not in BOUNDARIES:
-            raise ValueError(f"unknown step boundary {boundary!r}: expected one of {', '.join(BOUNDARIES)}")
         self.step_samples = step_samples
         self.reference_samples = reference_samples
-        self.boundary = boundary
+        self.boundary = check_boundary(boundary, owner="RoundAccumulator")
         self._state: dict[int, _Accumulated] = {}
         self._resumed: Optional[dict[int, dict[str, Any]]] = None
 
