@@ -19,7 +19,7 @@
 # Measured on the H100 machine's 16 cores: about 45 s per fit (start-up, 250 steps, evaluation), so
 # every configuration does not fit in one 10-minute device call: IMB_ONLY picks a subset, HET_REPEATS
 # the heterogeneity repeats, STEAL_RETRIES the reruns of a fit the hypervisor stole from.
-# Environment: PYTHON (default python3), THREADS, HET_REPEATS, STEAL_RETRIES, IMB_ONLY.
+# Environment: PYTHON (default python3), THREADS, HET_REPEATS, IMB_REPEATS (default 1), STEAL_RETRIES, IMB_ONLY.
 set -euo pipefail
 
 OUT_DIR="${1:-/tmp}"
@@ -29,6 +29,7 @@ THREADS="${THREADS:-3}"
 HET_REPEATS="${HET_REPEATS:-2}"
 STEAL_RETRIES="${STEAL_RETRIES:-1}"
 IMB_ONLY="${IMB_ONLY:-}"  # a comma-separated subset of benchmarks.imbalance's configurations (default: all)
+IMB_REPEATS="${IMB_REPEATS:-1}"
 export PYTHONUNBUFFERED=1
 
 case "$WHICH" in
@@ -49,7 +50,7 @@ mkdir -p "$RESULTS"
   echo "load average: $(cat /proc/loadavg)"
   echo "git: $(git rev-parse HEAD 2>/dev/null || echo unknown) $(git status --porcelain 2>/dev/null | wc -l) changed paths"
   "$PYTHON" -c 'import sys, torch, lightning; print("python", sys.version.split()[0], "torch", torch.__version__, "lightning", lightning.__version__, "threads", torch.get_num_threads())' || true
-  echo "THREADS=$THREADS HET_REPEATS=$HET_REPEATS STEAL_RETRIES=$STEAL_RETRIES IMB_ONLY=$IMB_ONLY"
+  echo "THREADS=$THREADS HET_REPEATS=$HET_REPEATS IMB_REPEATS=$IMB_REPEATS STEAL_RETRIES=$STEAL_RETRIES IMB_ONLY=$IMB_ONLY"
 } > "$OUT_DIR/cores16_env.txt" 2>&1
 cat "$OUT_DIR/cores16_env.txt"
 
@@ -71,7 +72,7 @@ run() {  # run NAME ARGS...: one benchmark, logged to OUT_DIR/NAME_16core.log; i
 
 if [[ "$WHICH" != heterogeneity ]]; then
   # Per-fit time-out 150 s (fits take ~20 s here): a hung fit cannot eat the whole run.
-  run imbalance --timeout 150 ${IMB_ONLY:+--only "$IMB_ONLY"}
+  run imbalance --timeout 150 --repeats "$IMB_REPEATS" ${IMB_ONLY:+--only "$IMB_ONLY"}
 fi
 if [[ "$WHICH" != imbalance ]]; then
   run heterogeneity --repeats "$HET_REPEATS" --workdir /tmp/lightning_partial_heterogeneity_16core

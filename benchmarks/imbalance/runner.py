@@ -213,6 +213,11 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
                 kept = retry_while_stolen(fit, args, name)
                 if kept is not None:
                     runs[name].append(kept)
+                    # One line per fit: a run cut short (a device call's limit) still leaves its figures in the log.
+                    log.info(
+                        "%s repeat %d: %.0f samples/s, held-out accuracy %.4f, CPU %.1f us/sample",
+                        name, repeat, kept["samples_per_s_total"], kept["test_acc_rank0"], kept["cpu_us_per_sample"],
+                    )
     finally:
         if cleanup is not None and not args.keep_workdir:
             cleanup.cleanup()
