@@ -24,7 +24,10 @@ late, the way a strategy's rounds deliver them:
   Gradient Staleness*, ICLR 2020): each coordinate divided by ``1 + gap * |w - w_c| / s``, ``w_c`` the
   weights it was computed at (prediction included), ``s`` a running mean of the update's size
   (coefficient 0.9); the damped share is dropped (a lab, not a rule of the library):
-  ``benchmarks/results/delay_lab_gap.json``.
+  ``benchmarks/results/delay_lab_gap.json``;
+* ``late_beta1``: Adam's ``beta1`` in the late (not synchronous) steps; ``late_lr``: the learning
+  rate's factor there; ``lr``: the whole fit's learning rate (DDP's included):
+  ``benchmarks/results/delay_lab_rules.json``, with ``pred`` 1.5 and 2.
 
 It isolates the update rule from the transport, the timing and the host: a
 fit is a pure function of its seed. Fits run two at a time, one thread each::
@@ -61,6 +64,9 @@ class Setting:
     sync_last: float = 0.0
     sync_pred: bool = True
     gap: float = 0.0
+    late_beta1: float = 0.0
+    late_lr: float = 1.0
+    lr: float = 0.003
 
 
 SETTINGS: dict[str, Setting] = {
@@ -79,6 +85,22 @@ SETTINGS: dict[str, Setting] = {
        for where, pcts in (("first", (10, 25)), ("last", (3, 5, 10, 25))) for pct in pcts},
     **{f"late_pr_last{pct}_nopred": Setting(fresh=0, pred=1.0, retime=True, sync_last=pct / 100, sync_pred=False)
        for pct in (5, 25)},
+    # Prediction past the weights a late gradient is applied at (a look-ahead, as ddp_lookahead's for fresh ones).
+    **{f"late_pr{tag}{suffix}": Setting(fresh=0, pred=coef, retime=True, sync_last=last)
+       for tag, coef in (("15", 1.5), ("2", 2.0)) for suffix, last in (("", 0.0), ("_last5", 0.05))},
+    # Less explicit momentum while gradients are late (Mitliagkas et al., *Asynchrony begets momentum*, 2016).
+    **{f"late_pr_b1{tag}_last5": Setting(fresh=0, pred=1.0, retime=True, sync_last=0.05, late_beta1=b1)
+       for tag, b1 in (("8", 0.8), ("5", 0.5))},
+    "late_pr_w75_last5": Setting(fresh=0, pred=1.0, retime=True, sync_last=0.05, late_weight=0.75),
+    "late_pr_b195_last5": Setting(fresh=0, pred=1.0, retime=True, sync_last=0.05, late_beta1=0.95),
+    # A smaller step while gradients are late: under Adam a gradient's factor changes nothing, its step size does.
+    **{f"late_pr_lr{tag}_last5": Setting(fresh=0, pred=1.0, retime=True, sync_last=0.05, late_lr=f)
+       for tag, f in (("7", 0.7), ("5", 0.5), ("13", 1.3), ("16", 1.6))},
+    "ddp_lr13": Setting(late_lr=1.3),  # every step at 1.3 x the learning rate: DDP's own sensitivity
+    # DDP and abs_sgd's defaults both at a larger learning rate (the task's is below DDP's best for 8 epochs).
+    **{f"{name}_lr{tag}": Setting(**kw, lr=0.003 * f) for tag, f in (("13", 1.3), ("16", 1.6), ("2", 2.0))
+       for name, kw in (("ddp", {}), ("late_pr_last5", {"fresh": 0, "pred": 1.0, "retime": True, "sync_last": 0.05}))
+       if f"{name}_lr{tag}" != "ddp_lr13"},
     "late_pr_gap": Setting(fresh=0, pred=1.0, retime=True, gap=1.0),
     "late_pr_gap_last5": Setting(fresh=0, pred=1.0, retime=True, gap=1.0, sync_last=0.05),
     "late_pr_gap2_last5": Setting(fresh=0, pred=1.0, retime=True, gap=0.5, sync_last=0.05),
@@ -102,7 +124,7 @@ def fit(name: str, seed: int, epochs: int = 8) -> dict:
     val = MappedTokens(1024, vocab_size=24, min_len=4, max_len=8, seed=seed, split=1)
     net = Seq2SeqTransformer(24, 24, 64, 4, 2, 2, 128, 0.0, 10)
     params = list(net.parameters())
-    opt = torch.optim.AdamW(params, lr=0.003, betas=(0.9, 0.98), weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=setting.lr, betas=(0.9, 0.98), weight_decay=0.0)
 
     def loss_of(batch):
         src, tgt = batch
@@ -162,6 +184,10 @@ def fit(name: str, seed: int, epochs: int = 8) -> dict:
             for p, g, a in zip(params, fresh, arriving or [None] * len(params)):
                 p.grad = g if a is None else g + a
             before = [p.detach().clone() for p in params]
+            opt.param_groups[0]["lr"] = setting.lr * (1.0 if synchronous else setting.late_lr)
+            if setting.late_beta1:  # late steps with beta1 lowered, synchronous ones with the optimizer's own
+                b2 = opt.param_groups[0]["betas"][1]
+                opt.param_groups[0]["betas"] = (0.9 if synchronous else setting.late_beta1, b2)
             opt.step()
             if setting.retime and arriving is not None:
                 retime_adam(opt, params, arriving, 1)

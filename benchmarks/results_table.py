@@ -101,10 +101,13 @@ def main_job_table(jobs: Sequence[Json], files: str = "main_job*.json") -> list[
             f" | {', '.join(signed(p) for p in points)} | {'yes' if identical else 'NO'} |"
         )
     ddp = [100.0 * job["results"]["ddp"]["summary"]["val_acc"] for job in jobs]
+    # DDP's own samples/s: the ratios depend on how the step's compute compares with the straggler's delay.
+    ddp_speed = [job["results"]["ddp"]["summary"]["samples_per_s"] for job in jobs]
     lines.append("")
     lines.append(
         f"`benchmarks/results/{files}`: {len(jobs)} seeds, {jobs[0]['devices']} CPU processes per fit, recipe"
-        f" `{jobs[0]['recipe']}`; DDP's accuracy {', '.join(f'{a:.2f}' for a in ddp)} %."
+        f" `{jobs[0]['recipe']}`; DDP's accuracy {', '.join(f'{a:.2f}' for a in ddp)} %,"
+        f" {min(ddp_speed):,.0f}-{max(ddp_speed):,.0f} samples/s."
     )
     return lines
 
