@@ -51,6 +51,12 @@ IMBALANCE_ROWS: tuple[tuple[str, str], ...] = (
 
 Json = dict[str, Any]
 
+#: ABSSGDStrategy's defaults for the options a heterogeneity run records, and what a run from before an option
+#: existed ran (no synchronous finish; steps ended at the first round to reach the global batch). Written out here
+#: (this module uses only the standard library); tests/test_benchmark_helpers.py checks them against the strategy.
+ABS_SGD_DEFAULTS: dict[str, Any] = {"final_sync": 0.05, "step_boundary": "nearest"}
+ABS_SGD_BEFORE: dict[str, Any] = {"final_sync": 0.0, "step_boundary": "at_least"}
+
 
 def load(name: str) -> Json:
     """One results file, by its name in benchmarks/results/."""
@@ -170,11 +176,10 @@ def abs_sgd_label(heterogeneity: Json) -> str:
         changed.append("weight_prediction=False")
     if heterogeneity.get("staleness_rule", "auto") != "auto":
         changed.append(f"staleness_rule={heterogeneity['staleness_rule']!r}")
-    # Absent: a run from before the option (no synchronous finish; steps ended at the first round to reach B).
-    if heterogeneity.get("final_sync", 0.0) != 0.05:
-        changed.append(f"final_sync={heterogeneity.get('final_sync', 0.0)}")
-    if heterogeneity.get("step_boundary", "at_least") != "nearest":
-        changed.append(f"step_boundary={heterogeneity.get('step_boundary', 'at_least')!r}")
+    for key, default in ABS_SGD_DEFAULTS.items():
+        value = heterogeneity.get(key, ABS_SGD_BEFORE[key])  # absent: a run from before the option
+        if value != default:
+            changed.append(f"{key}={value!r}")
     return "`abs_sgd` " + (f"(`{', '.join(changed)}`)" if changed else "(defaults)")
 
 

@@ -146,7 +146,9 @@ def test_readme_result_tables_match_the_results_files():
 def test_the_readme_labels_an_abs_sgd_run_by_what_differs_from_todays_defaults():
     """A heterogeneity file from before final_sync and step_boundary existed ran neither (no finish; steps ended at
     the first round reaching the global batch): its README row says so."""
-    from benchmarks.results_table import abs_sgd_label
+    from benchmarks.results_table import ABS_SGD_DEFAULTS, abs_sgd_label
 
+    defaults = inspect.signature(ABSSGDStrategy).parameters
+    assert ABS_SGD_DEFAULTS == {key: defaults[key].default for key in ABS_SGD_DEFAULTS}
     assert abs_sgd_label({"final_sync": 0.05, "step_boundary": "nearest"}) == "`abs_sgd` (defaults)"
     assert abs_sgd_label({}) == "`abs_sgd` (`final_sync=0.0, step_boundary='at_least'`)"
