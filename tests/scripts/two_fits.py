@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import socket
+import sys
 import threading
 
 import lightning as L
@@ -70,7 +71,10 @@ def main() -> None:
                   "store_open": accepts(probe.port) if (probe.port and trainer.global_rank == 0) else None}
         # The trainer (and its strategy) stays referenced, as in a user's notebook.
         globals()[f"trainer{fit}"] = trainer
-        print("RECORD " + json.dumps(record), flush=True)
+        # One write per line: the ranks share the parent's stdout pipe, and under PYTHONUNBUFFERED
+        # print() issues the text and its newline as two writes, which another rank's line can split.
+        sys.stdout.write("RECORD " + json.dumps(record) + "\n")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":
