@@ -27,7 +27,11 @@ late, the way a strategy's rounds deliver them:
   ``benchmarks/results/delay_lab_gap.json``;
 * ``late_beta1``: Adam's ``beta1`` in the late (not synchronous) steps; ``late_lr``: the learning
   rate's factor there; ``lr``: the whole fit's learning rate (DDP's included):
-  ``benchmarks/results/delay_lab_rules.json``, with ``pred`` 1.5 and 2.
+  ``benchmarks/results/delay_lab_rules.json``, with ``pred`` 1.5 and 2;
+* ``dc``: delay compensation with a diagonal curvature estimate (Zheng et al., *Asynchronous
+  Stochastic Gradient Descent with Delay Compensation*, ICML 2017, the adaptive DC-ASGD-a): a late
+  gradient ``g`` computed at ``w_c`` becomes ``g + dc * g * g / sqrt(v) * (w - w_c)``, ``v`` Adam's
+  bias-corrected second moment as the mean square: ``benchmarks/results/delay_lab_dc.json``.
 
 It isolates the update rule from the transport, the timing and the host: a
 fit is a pure function of its seed. Fits run two at a time, one thread each::
@@ -67,6 +71,7 @@ class Setting:
     late_beta1: float = 0.0
     late_lr: float = 1.0
     lr: float = 0.003
+    dc: float = 0.0
 
 
 SETTINGS: dict[str, Setting] = {
@@ -103,6 +108,11 @@ SETTINGS: dict[str, Setting] = {
     "late_pr_gap_last5": Setting(fresh=0, pred=1.0, retime=True, gap=1.0, sync_last=0.05),
     "late_pr_gap2_last5": Setting(fresh=0, pred=1.0, retime=True, gap=0.5, sync_last=0.05),
     "late_pr_gap4_last5": Setting(fresh=0, pred=1.0, retime=True, gap=0.25, sync_last=0.05),
+    # DC-ASGD-a's curvature compensation of the late gradients, with prediction (abs_sgd's defaults) and without.
+    **{f"late_pr_dc{tag}_last5": Setting(fresh=0, pred=1.0, retime=True, sync_last=0.05, dc=c)
+       for tag, c in (("1", 1.0), ("10", 10.0), ("100", 100.0))},
+    **{f"late_r_dc{tag}_last5": Setting(fresh=0, retime=True, sync_last=0.05, dc=c)
+       for tag, c in (("0", 0.0), ("1", 1.0), ("10", 10.0), ("100", 100.0))},
     **{f"solo_pi_{where}{pct}": Setting(fresh=1, pred=1.0, late_weight=0.5, **{f"sync_{where}": pct / 100})
        for where, pcts in (("first", (10, 25)), ("last", (3, 5, 10, 25))) for pct in pcts},
 }
@@ -170,7 +180,7 @@ def fit(name: str, seed: int, epochs: int = 8) -> dict:
                 torch._foreach_add_(fresh if w < on_time else late, grads, alpha=1.0 / WORKERS)
             arriving, arriving_at = pending, pending_at
             pending = late  # applied at the next step
-            if setting.gap:  # the weights the late gradients were computed at
+            if setting.gap or setting.dc:  # the weights the late gradients were computed at
                 pending_at = [p.detach() + sh if sh is not None else p.detach().clone()
                               for p, sh in zip(params, shift or [None] * len(params))]
             if setting.gap and arriving is not None and scale is not None:
@@ -178,6 +188,12 @@ def fit(name: str, seed: int, epochs: int = 8) -> dict:
                 # gradient was computed at to those it is applied to, in units of the running mean update size.
                 for a, p, c, sc in zip(arriving, params, arriving_at, scale):
                     a.div_(1.0 + setting.gap * (p.detach() - c).abs() / (sc + 1e-12))
+            if setting.dc and arriving is not None and opt.state:
+                # DC-ASGD-a (Zheng et al. 2017): g(w) ~ g(w_c) + lambda * g * g * (w - w_c), lambda = dc / sqrt(v).
+                for a, p, c in zip(arriving, params, arriving_at):
+                    state = opt.state[p]
+                    v = state["exp_avg_sq"] / (1 - beta2 ** float(state["step"]))
+                    a.add_(setting.dc * a * a / (v.sqrt() + 1e-8) * (p.detach() - c))
             if arriving is not None:
                 torch._foreach_mul_(arriving, setting.late_weight)
             for p, g, a in zip(params, fresh, arriving or [None] * len(params)):
