@@ -25,7 +25,7 @@ def test_registry_names():
     from lightning.pytorch.strategies import StrategyRegistry
 
     lightning_partial.strategies.register_strategies()  # idempotent
-    for name, method in (("abs_sgd", "popen"), ("abs_sgd_spawn", "spawn")):
+    for name, method in (("abs_sgd", "popen"), ("abs_sgd_spawn", "spawn"), ("abs_sgd_fork", "fork")):
         strategy = StrategyRegistry.get(name)
         assert isinstance(strategy, ABSSGDStrategy) and strategy._start_method == method
     pickle.loads(pickle.dumps(ABSSGDStrategy(target_samples=8)))
@@ -58,9 +58,11 @@ def test_adaptive_batch_size_bad_input():
         AdaptiveBatchSize(window=0)
 
 
-def run_fit(out: Path, *extra: str) -> list[dict]:
+def run_fit(out: Path, *extra: str, launch: str = "fork") -> list[dict]:
+    """A 4-process abs_sgd fit of tests/scripts/fit.py (``launch``: its ``--launch``); the rank records."""
     proc = subprocess.run(
-        fit_command(out, "--strategy", "abs_sgd", *extra), env=FIT_ENV, capture_output=True, text=True, timeout=240
+        fit_command(out, "--strategy", "abs_sgd", "--launch", launch, *extra), env=FIT_ENV, capture_output=True,
+        text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
@@ -353,5 +355,5 @@ def test_the_global_batch_is_agreed_when_the_ranks_loaders_differ(tmp_path):
     """reference_samples="global_batch" with loader batch sizes 16, 16, 8, 8: every rank divides by the same
     sum (48), so the replicas end bit-identical."""
     out = tmp_path / "run"
-    run_fit(out, "--rank-batch-sizes", "16,16,8,8", "--max-epochs", "1")
+    run_fit(out, "--rank-batch-sizes", "16,16,8,8", "--max-epochs", "1", launch="popen")
     assert_identical(out)

@@ -64,7 +64,7 @@ CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("eager_sgd unknown staleness rule", lambda: EagerSGDStrategy(staleness_rule="linear"), r"staleness_rule.*inverse"),
     ("eager_sgd zero timeout", lambda: EagerSGDStrategy(timeout=timedelta(0)), r"timeout"),
     ("eager_sgd timeout in seconds", lambda: EagerSGDStrategy(timeout=30), r"timeout"),
-    ("eager_sgd start method", lambda: EagerSGDStrategy(start_method="fork"), r"start_method"),
+    ("eager_sgd start method", lambda: EagerSGDStrategy(start_method="forkserver"), r"start_method.*'fork'"),
     # wagma_sgd / ds_sync
     ("wagma_sgd group size 3", lambda: WAGMAStrategy(group_size=3), r"group_size"),
     ("wagma_sgd group size 0", lambda: WAGMAStrategy(group_size=0), r"group_size"),

@@ -25,10 +25,13 @@ def test_registry_names_resolve_to_the_right_mode_and_launcher():
     expected = {
         "eager_sgd": ("solo", "popen"),
         "eager_sgd_spawn": ("solo", "spawn"),
+        "eager_sgd_fork": ("solo", "fork"),
         "eager_sgd_majority": ("majority", "popen"),
         "eager_sgd_majority_spawn": ("majority", "spawn"),
+        "eager_sgd_majority_fork": ("majority", "fork"),
         "eager_sgd_backup": ("quorum", "popen"),
         "eager_sgd_backup_spawn": ("quorum", "spawn"),
+        "eager_sgd_backup_fork": ("quorum", "fork"),
     }
     for name, (mode, start_method) in expected.items():
         strategy = StrategyRegistry.get(name)
@@ -49,7 +52,7 @@ def test_registry_names_resolve_to_the_right_mode_and_launcher():
         (dict(mode="quorum", backup_workers=0), "backup_workers must be an integer >= 1"),
         (dict(mode="solo", backup_workers=1), "backup_workers=1 is only meaningful with mode='quorum'"),
         (dict(max_staleness=-2), "max_staleness"),
-        (dict(start_method="fork"), "start_method"),
+        (dict(start_method="forkserver"), "start_method"),
         (dict(staleness_rule="gap"), "unknown staleness_rule 'gap'"),
         (dict(find_unused_parameters="yes"), "find_unused_parameters must be a bool"),
     ],
@@ -66,10 +69,13 @@ def fit_command(out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", SCRIPT, "--out", str(out), *extra]
 
 
-def fit(tmp_path: Path, strategy: str, *extra: str) -> list[dict[str, torch.Tensor]]:
+def fit(tmp_path: Path, strategy: str, *extra: str, launch: str = "fork") -> list[dict[str, torch.Tensor]]:
+    """A 4-process fit; ``launch``: fit.py's ``--launch`` (``"fork"``: the ranks skip the imports; ``"popen"``
+    for a fit that a signal ends)."""
     out = tmp_path / strategy.replace(":", "_")
     proc = subprocess.run(
-        fit_command(out, "--strategy", strategy, *extra), env=FIT_ENV, capture_output=True, text=True, timeout=240
+        fit_command(out, "--strategy", strategy, "--launch", launch, *extra), env=FIT_ENV, capture_output=True,
+        text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt") for r in range(4)]
@@ -170,7 +176,7 @@ def test_sigterm_in_the_last_step_ends_the_fit_with_identical_replicas(tmp_path,
     averaged, as at every end of fit, and so are model averaging's parameters (its final global average,
     over the collective group): every rank ends with the same parameters and buffers."""
     states = fit(tmp_path, strategy, "--steps", "12", "--sigterm-at", "11:1", "--straggle-ms", "5",
-                 "--batchnorm", "--strategy-kw", json.dumps(kw))
+                 "--batchnorm", "--strategy-kw", json.dumps(kw), launch="popen")
     assert not list((tmp_path / strategy).glob("stopped*")), "the fit raised SIGTERMException"
     for other in states[1:]:
         for key, value in states[0].items():
@@ -193,11 +199,12 @@ def test_killed_rank_ends_the_fit_with_a_clear_error(tmp_path):
     )
 
 
-def fit_identical(out: Path, *options: str) -> list[dict]:
+def fit_identical(out: Path, *options: str, launch: str = "fork") -> list[dict]:
     """A 4-process fit of tests/scripts/fit.py; asserts it succeeded with bit-identical replicas; the rank records."""
     import json
 
-    proc = subprocess.run(fit_command(out, *options), env=FIT_ENV, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(fit_command(out, "--launch", launch, *options), env=FIT_ENV, capture_output=True, text=True,
+                          timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_identical(out)
     return [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]

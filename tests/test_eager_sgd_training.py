@@ -27,8 +27,11 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def run(out: Path, *extra: str) -> list[dict]:
+    """A 4-process fit of tests/scripts/exact.py; the rank records. Forked ranks (no imports of their own)
+    unless the fit evaluates after it (``--evaluate`` needs the script launcher)."""
+    launch = "popen" if "--evaluate" in extra else "fork"
     proc = subprocess.run(
-        [sys.executable, "-m", SCRIPT, "--out", str(out), *extra],
+        [sys.executable, "-m", SCRIPT, "--out", str(out), "--launch", launch, *extra],
         env=ENV,
         capture_output=True,
         text=True,

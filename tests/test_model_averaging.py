@@ -27,8 +27,10 @@ def test_registry_names():
     for name, cls, start_method in (
         ("wagma_sgd", WAGMAStrategy, "popen"),
         ("wagma_sgd_spawn", WAGMAStrategy, "spawn"),
+        ("wagma_sgd_fork", WAGMAStrategy, "fork"),
         ("ds_sync", DSSyncStrategy, "popen"),
         ("ds_sync_spawn", DSSyncStrategy, "spawn"),
+        ("ds_sync_fork", DSSyncStrategy, "fork"),
     ):
         strategy = StrategyRegistry.get(name)
         assert type(strategy) is cls and strategy._start_method == start_method
@@ -88,9 +90,11 @@ def test_default_schedules():
     assert DSSyncStrategy(seed=3).build_schedule(4) == ShuffleSchedule(world_size=4, num_groups=2, seed=3)
 
 
-def run_fit(out: Path, strategy: str, *extra: str) -> list[dict]:
+def run_fit(out: Path, strategy: str, *extra: str, launch: str = "fork") -> list[dict]:
+    """A 4-process fit of tests/scripts/fit.py (``launch``: its ``--launch``); the rank records."""
     proc = subprocess.run(
-        fit_command(out, "--strategy", strategy, *extra), env=FIT_ENV, capture_output=True, text=True, timeout=240
+        fit_command(out, "--strategy", strategy, "--launch", launch, *extra), env=FIT_ENV, capture_output=True,
+        text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
@@ -218,7 +222,7 @@ def test_resume_across_families_is_refused_unless_the_engine_state_is_dropped(tm
     assert torch.load(first / "mid.ckpt", weights_only=False)[CHECKPOINT_KEY]["family"] == "gradients"
     refused = tmp_path / "refused"
     proc = subprocess.run(
-        fit_command(refused, "--strategy", "wagma_sgd", "--steps", "8", "--rotation", "2", "--resume",
+        fit_command(refused, "--strategy", "wagma_sgd", "--launch", "fork", "--steps", "8", "--rotation", "2", "--resume",
                     str(first / "mid.ckpt")),
         env=FIT_ENV, capture_output=True, text=True, timeout=240,
     )
@@ -230,7 +234,7 @@ def test_resume_across_families_is_refused_unless_the_engine_state_is_dropped(tm
     drop_engine_state(first / "mid.ckpt", first / "weights.ckpt")
     second = tmp_path / "second"
     proc = subprocess.run(
-        fit_command(second, "--strategy", "wagma_sgd", "--steps", "8", "--rotation", "2", "--resume",
+        fit_command(second, "--strategy", "wagma_sgd", "--launch", "fork", "--steps", "8", "--rotation", "2", "--resume",
                     str(first / "weights.ckpt")),
         env=FIT_ENV, capture_output=True, text=True, timeout=240,
     )

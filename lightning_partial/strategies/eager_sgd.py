@@ -128,10 +128,10 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             says (the paper's rule).
         timeout, collective_timeout: see :class:`~lightning_partial.strategies.partial.PartialStrategy`.
         process_group_backend: default ``"nccl"`` on CUDA, ``"gloo"`` otherwise.
-        start_method: ``"popen"`` (scripts, torchrun, SLURM) or ``"spawn"``.
+        start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"`` or ``"fork"``.
 
     The strategy object holds no thread and no group until ``setup``: it can be
-    pickled (``"eager_sgd_spawn"``).
+    pickled (``"eager_sgd_spawn"``); a forked rank inherits none (``"eager_sgd_fork"``).
     """
 
     strategy_name = "eager_sgd"

@@ -37,7 +37,7 @@ class ProcessGroupOptions(TypedDict, total=False):
     precision_plugin: Optional[Precision]
     timeout: timedelta
     process_group_backend: Optional[str]
-    start_method: Literal["popen", "spawn"]
+    start_method: Literal["popen", "spawn", "fork"]
 
 
 class StrategyOptions(ProcessGroupOptions, total=False):

@@ -116,10 +116,10 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             it watches dead: a frozen or cut-off rank ends the job in about this long,
             with an error naming it. Never more than ``timeout``.
         process_group_backend: default ``"nccl"`` on CUDA, ``"gloo"`` otherwise.
-        start_method: ``"popen"`` (scripts, torchrun, SLURM) or ``"spawn"``.
+        start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"`` or ``"fork"``.
 
     The strategy object holds no thread and no group until ``setup``: it can be
-    pickled (the ``*_spawn`` registry names).
+    pickled (the ``*_spawn`` registry names); a forked rank inherits none (``*_fork``).
     """
 
     strategy_name = "partial"
@@ -129,8 +129,8 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
     #: (:mod:`~lightning_partial.strategies.final_sync`); set with :meth:`_set_final_sync`.
     final_sync: float = 0.0
     #: The registry names of a concrete strategy: ``(name, description, constructor keyword
-    #: arguments)``; :meth:`register_strategies` adds each with ``start_method="popen"`` and a
-    #: ``<name>_spawn`` twin with ``start_method="spawn"``.
+    #: arguments)``; :meth:`register_strategies` adds each with ``start_method="popen"``, a
+    #: ``<name>_spawn`` twin with ``start_method="spawn"`` and a ``<name>_fork`` twin with ``"fork"``.
     registry_entries: ClassVar[tuple[tuple[str, str, dict[str, Any]], ...]] = ()
 
     def __init__(
@@ -546,9 +546,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Registers ``registry_entries`` and their ``_spawn`` twins (idempotent: importing twice is fine)."""
+        """Registers ``registry_entries`` and their ``_spawn`` and ``_fork`` twins (idempotent: importing twice is fine)."""
         for name, description, options in cls.registry_entries:
-            for suffix, start_method in (("", "popen"), ("_spawn", "spawn")):
+            for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
                 if name + suffix in strategy_registry:
                     continue
                 strategy_registry.register(

@@ -89,9 +89,12 @@ class ProcessGroupStrategy(ParallelStrategy):
         timeout: bound on process-group set-up and on the strategy's own collectives
             (see :class:`~lightning_partial.strategies.partial.PartialStrategy`).
         process_group_backend: default ``"nccl"`` on CUDA, ``"gloo"`` otherwise.
-        start_method: ``"popen"`` (scripts, torchrun, SLURM) or ``"spawn"``.
+        start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"`` or ``"fork"``
+            (Lightning's multiprocessing launcher; ``"fork"``: the ranks inherit the
+            parent's imports, as ``"ddp_fork"``; CPU, or CUDA not yet initialised).
 
-    Holds no group until ``setup``: it can be pickled (the spawn launcher does).
+    Holds no group until ``setup``: it can be pickled (the spawn launcher does), and a
+    forked rank inherits none.
     """
 
     def __init__(
@@ -104,7 +107,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         *,
         timeout: timedelta = timedelta(minutes=30),
         process_group_backend: Optional[str] = None,
-        start_method: Literal["popen", "spawn"] = "popen",
+        start_method: Literal["popen", "spawn", "fork"] = "popen",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -113,8 +116,8 @@ class ProcessGroupStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if start_method not in ("popen", "spawn"):
-            raise ValueError(f"start_method must be 'popen' or 'spawn', got {start_method!r}")
+        if start_method not in ("popen", "spawn", "fork"):
+            raise ValueError(f"start_method must be 'popen', 'spawn' or 'fork', got {start_method!r}")
         check_timedelta("timeout", timeout)
         self._num_nodes = 1
         self._timeout = timeout

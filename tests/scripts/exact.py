@@ -21,6 +21,10 @@ a fit that finds ``last.ckpt`` resumes from it, as a restarted job does) and
 under torchrun, ``TORCHELASTIC_RESTART_COUNT=0``). What each rank computed is
 also appended per step to ``<out>/seen.rank<R>.attempt<A>.jsonl``, so that a
 process that dies leaves its record behind.
+
+``--launch fork`` starts the ranks with the strategy's fork twin (as
+``tests/scripts/fit.py``'s): each rank then writes its record at ``on_fit_end``;
+``--evaluate`` and ``--die-at`` need ``popen``, the default.
 """
 
 from __future__ import annotations
@@ -86,8 +90,13 @@ def main() -> None:
     parser.add_argument("--die-at", type=int, default=None)
     parser.add_argument("--die-rank", type=int, default=2)
     parser.add_argument("--strategy-kw", default="{}", help="JSON keyword arguments of a configured strategy")
+    parser.add_argument("--launch", choices=("popen", "fork"), default="popen",
+                        help="how Lightning starts the ranks (see the module docstring)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    fork = args.launch == "fork"
+    if fork and (args.evaluate or args.die_at is not None):
+        parser.error("--launch fork: --evaluate and --die-at need --launch popen")
     if args.spy:
         install_spy()
 
@@ -177,8 +186,11 @@ def main() -> None:
         if (args.out / "ckpt" / "last.ckpt").exists():
             ckpt_path = args.out / "ckpt" / "last.ckpt"  # a restarted job resumes where it left off
     strategy = args.strategy
+    if fork:  # the registry's fork twin: ours end in "_fork", Lightning's DDP names put it after "ddp"
+        strategy = "ddp_fork" + strategy[3:] if strategy.startswith("ddp") else strategy + "_fork"
     kw = json.loads(args.strategy_kw)
     if kw:
+        kw.update({"start_method": "fork"} if fork else {})
         classes = {"eager_sgd": lightning_partial.EagerSGDStrategy, "wagma_sgd": lightning_partial.WAGMAStrategy,
                    "ds_sync": lightning_partial.DSSyncStrategy, "abs_sgd": lightning_partial.ABSSGDStrategy}
         strategy = classes[args.strategy](**kw)
@@ -189,6 +201,39 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(dataset, batch_size=B, shuffle=False)
     model = Linear()
     w0 = {k: v.detach().clone().tolist() for k, v in model.named_parameters()}
+
+    def record_of(trainer: L.Trainer) -> dict:
+        return {
+            "rank": trainer.global_rank,
+            "lr": lr,
+            "world": P,
+            "accumulate": args.accumulate,
+            "w0": w0,
+            "final": {k: v.detach().to(torch.float64).tolist() for k, v in model.named_parameters()},
+            "seen": model.seen,
+            "train_indices": model.train_indices,
+            "collectives_at_batch_end": probe.at_batch_end,
+            "collective_names": sorted(set(SPY["calls"])),
+            "train_rank_mean": float(trainer.callback_metrics.get("train_rank_mean", float("nan"))),
+            "global_step": trainer.global_step,
+        }
+
+    def write(trainer: L.Trainer, record: dict) -> None:
+        (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+        if torch.distributed.is_initialized():
+            # Tear the default group down now rather than during interpreter shutdown, where a
+            # gloo thread still alive has aborted a DDP run once ("terminate called without an
+            # active exception") after it had written its results.
+            torch.distributed.destroy_process_group()
+
+    class AtFitEnd(L.Callback):
+        """``--launch fork``: every rank writes its record (the code after ``trainer.fit`` runs in the parent only)."""
+
+        def on_fit_end(self, trainer, pl_module):
+            write(trainer, record_of(trainer))
+
+    if fork:
+        callbacks.append(AtFitEnd())
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -206,20 +251,9 @@ def main() -> None:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     trainer.fit(model, loader, ckpt_path=ckpt_path)
-    record = {
-        "rank": trainer.global_rank,
-        "lr": lr,
-        "world": P,
-        "accumulate": args.accumulate,
-        "w0": w0,
-        "final": {k: v.detach().to(torch.float64).tolist() for k, v in model.named_parameters()},
-        "seen": model.seen,
-        "train_indices": model.train_indices,
-        "collectives_at_batch_end": probe.at_batch_end,
-        "collective_names": sorted(set(SPY["calls"])),
-        "train_rank_mean": float(trainer.callback_metrics.get("train_rank_mean", float("nan"))),
-        "global_step": trainer.global_step,
-    }
+    if fork:
+        return
+    record = record_of(trainer)
     if args.evaluate:
         trainer.validate(model, loader, verbose=False)
         record["val_rank_mean"] = float(trainer.callback_metrics["val_rank_mean"])
@@ -229,13 +263,7 @@ def main() -> None:
         predictions = trainer.predict(model, small)
         record["predicted"] = sum(len(p) for p in predictions)
         record["final_after_evaluate"] = {k: v.detach().to(torch.float64).tolist() for k, v in model.named_parameters()}
-    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
-
-    if torch.distributed.is_initialized():
-        # Tear the default group down now rather than during interpreter shutdown, where a
-        # gloo thread still alive has aborted a DDP run once ("terminate called without an
-        # active exception") after it had written its results.
-        torch.distributed.destroy_process_group()
+    write(trainer, record)
 
 
 if __name__ == "__main__":

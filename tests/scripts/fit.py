@@ -17,6 +17,13 @@ Imbalance (``lightning_partial.callbacks.LoadImbalance``): ``--imbalance-ms``
 shared seed, sleep before the forward pass; ``--speed 1,1,0.5,0.25`` slows
 ranks persistently. Loggers: ``--csv DIR`` (CSVLogger), ``--wandb DIR``
 (``lightning_partial.loggers.wandb_logger``, offline by default).
+
+``--launch fork`` starts the ranks with the strategy's ``start_method="fork"``
+(the registry's ``*_fork`` names, ``ddp_fork``): they inherit this process's
+imports, seconds less per fit than Lightning's script launcher (``popen``, the
+default), which runs this file again for every other rank. The files above are
+then written by each rank at ``on_fit_end``; a fit that a signal ends, or one
+whose ranks build different loaders, needs ``popen``.
 """
 
 from __future__ import annotations
@@ -139,6 +146,17 @@ class EpochProbe(L.Callback):
         self.before_steps = getattr(self, "before_steps", 0) + 1
 
 
+class AtFitEnd(L.Callback):
+    """Calls ``write`` in every rank at the end of the fit (``--launch fork``: the code after
+    ``trainer.fit`` then runs in the parent only)."""
+
+    def __init__(self, write) -> None:
+        self.write = write
+
+    def on_fit_end(self, trainer, pl_module):
+        self.write(trainer)
+
+
 class Probe(L.Callback):
     """With ``--spy``: counts the default group's collectives from the first batch start to each batch end.
 
@@ -211,8 +229,13 @@ def main() -> None:
     parser.add_argument("--sigterm-at", default=None, help="BATCH:RANK: that rank sends itself SIGTERM in that step")
     parser.add_argument("--rank-batch-sizes", default=None,
                         help="one loader batch size per rank, e.g. 16,16,8,8 (default: 16 on every rank)")
+    parser.add_argument("--launch", choices=("popen", "fork"), default="popen",
+                        help="how Lightning starts the ranks (see the module docstring)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    fork = args.launch == "fork"
+    if fork and (args.sigterm_at or args.rank_batch_sizes):
+        parser.error("--launch fork: --sigterm-at and --rank-batch-sizes need --launch popen")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     L.seed_everything(0)
     g = torch.Generator().manual_seed(0)
@@ -237,11 +260,15 @@ def main() -> None:
         model.sigterm_at = (int(batch), int(rank))
     model.pid_dir = args.out / "pids"
     strategy: Any = args.strategy
-    if strategy.startswith("eager_sgd:"):  # a configured instance rather than a registry name
-        strategy = lightning_partial.EagerSGDStrategy(mode=strategy.split(":", 1)[1])
+    if fork:  # the registry's fork twin: ours end in "_fork", Lightning's DDP names put it after "ddp"
+        strategy = "ddp_fork" + strategy[3:] if strategy.startswith("ddp") else strategy + "_fork"
+    launch = {"start_method": "fork"} if fork else {}
+    if args.strategy.startswith("eager_sgd:"):  # a configured instance rather than a registry name
+        strategy = lightning_partial.EagerSGDStrategy(mode=args.strategy.split(":", 1)[1], **launch)
     kw = json.loads(args.strategy_kw)
     kw = {k: timedelta(seconds=v) if k.endswith("timeout") else v for k, v in kw.items()}
     if kw:
+        kw.update(launch)
         classes = {"eager_sgd": lightning_partial.EagerSGDStrategy, "wagma_sgd": lightning_partial.WAGMAStrategy,
                    "ds_sync": lightning_partial.DSSyncStrategy, "abs_sgd": lightning_partial.ABSSGDStrategy}
         strategy = classes[args.strategy](**kw)
@@ -265,6 +292,63 @@ def main() -> None:
                                       save_top_k=-1, save_last=True)
     callbacks = [c for c in (probe, imbalance, tracker, rotation, saver, adaptive, epochs, checkpoints)
                  if c is not None]
+
+    def write_results(trainer: L.Trainer) -> None:
+        """Every rank: its record, ``callbacks<R>.json``, and its final state, ``rank<R>.pt``."""
+        if wandb is not None and trainer.is_global_zero:
+            wandb.experiment.finish()  # writes the run's exit record now rather than at interpreter exit
+        rank = trainer.global_rank
+        record: dict[str, Any] = {
+            "rank": rank,
+            "world_size": trainer.world_size,
+            "imbalance": {
+                "delay_ms": imbalance.delay_ms,
+                "stragglers": imbalance.stragglers,
+                "seed": imbalance.seed,
+                "speed": imbalance.speed,
+                "injected_ms": imbalance.injected_ms,
+                "batches": imbalance.batches,
+                "records": [asdict(r) for r in imbalance.records],
+            },
+        }
+        record["global_step"] = trainer.global_step
+        record["changed"] = sorted(k for k, v in model.state_dict().items() if not torch.equal(v, initial[k]))
+        weights = getattr(trainer.strategy, "_staleness", {}).get(0)
+        record["staleness_weights"] = asdict(weights) if weights is not None else None
+        update_rule = getattr(trainer.strategy, "update_rule", None)
+        record["update_rule"] = update_rule() if callable(update_rule) else None
+        record["lr"] = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
+        record["epoch_batches"] = epochs.batches
+        record["epoch_samples"] = epochs.samples
+        record["before_optimizer_steps"] = getattr(epochs, "before_steps", 0)
+        last = getattr(trainer.strategy, "round_stats", {}).get(0)
+        record["last_round"] = {"round": last.round_index, "flush": last.flush,
+                                "contributions": last.contributions} if last is not None else None
+        lags = getattr(trainer.strategy, "step_lags", None)
+        if lags is not None:
+            record["step_lags"] = {str(lag): n for lag, n in lags.histogram(0).items()}
+        if adaptive is not None:
+            record["adaptive"] = [[r, list(sizes)] for r, sizes in adaptive.history]
+        if rotation is not None:
+            record["groups"] = [asdict(r) for r in rotation.history]
+        if tracker is not None:
+            record["staleness"] = {str(i): s.as_dict() for i, s in tracker.summary.items()}
+        if probe is not None:
+            from tests.scripts.exact import SPY
+
+            record["collectives_at_batch_end"] = probe.at_batch_end
+            record["collectives_at_train_end"] = probe.at_train_end
+            record["collective_names"] = sorted(set(SPY["calls"]))
+        (args.out / f"callbacks{rank}.json").write_text(json.dumps(record, indent=1))
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / f"rank{rank}.pt")
+        if torch.distributed.is_initialized():
+            # Tear the default group down now rather than during interpreter shutdown, where a
+            # gloo thread still alive has aborted a DDP run once ("terminate called without an
+            # active exception") after it had written its results.
+            torch.distributed.destroy_process_group()
+
+    if fork:
+        callbacks.append(AtFitEnd(write_results))
     loggers: list[Logger] = []
     if args.csv is not None:
         loggers.append(CSVLogger(args.csv, name="fit", version=0))
@@ -295,58 +379,8 @@ def main() -> None:
     except SIGTERMException:
         # Every rank is expected here at the same step: the test compares the markers.
         (args.out / f"stopped{trainer.global_rank}").write_text(str(trainer.global_step))
-    if wandb is not None and trainer.is_global_zero:
-        wandb.experiment.finish()  # writes the run's exit record now rather than at interpreter exit
-    rank = trainer.global_rank
-    record: dict[str, Any] = {
-        "rank": rank,
-        "world_size": trainer.world_size,
-        "imbalance": {
-            "delay_ms": imbalance.delay_ms,
-            "stragglers": imbalance.stragglers,
-            "seed": imbalance.seed,
-            "speed": imbalance.speed,
-            "injected_ms": imbalance.injected_ms,
-            "batches": imbalance.batches,
-            "records": [asdict(r) for r in imbalance.records],
-        },
-    }
-    record["global_step"] = trainer.global_step
-    record["changed"] = sorted(k for k, v in model.state_dict().items() if not torch.equal(v, initial[k]))
-    weights = getattr(trainer.strategy, "_staleness", {}).get(0)
-    record["staleness_weights"] = asdict(weights) if weights is not None else None
-    update_rule = getattr(trainer.strategy, "update_rule", None)
-    record["update_rule"] = update_rule() if callable(update_rule) else None
-    record["lr"] = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
-    record["epoch_batches"] = epochs.batches
-    record["epoch_samples"] = epochs.samples
-    record["before_optimizer_steps"] = getattr(epochs, "before_steps", 0)
-    last = getattr(trainer.strategy, "round_stats", {}).get(0)
-    record["last_round"] = {"round": last.round_index, "flush": last.flush, "contributions": last.contributions} \
-        if last is not None else None
-    lags = getattr(trainer.strategy, "step_lags", None)
-    if lags is not None:
-        record["step_lags"] = {str(lag): n for lag, n in lags.histogram(0).items()}
-    if adaptive is not None:
-        record["adaptive"] = [[r, list(sizes)] for r, sizes in adaptive.history]
-    if rotation is not None:
-        record["groups"] = [asdict(r) for r in rotation.history]
-    if tracker is not None:
-        record["staleness"] = {str(i): s.as_dict() for i, s in tracker.summary.items()}
-    if probe is not None:
-        from tests.scripts.exact import SPY
-
-        record["collectives_at_batch_end"] = probe.at_batch_end
-        record["collectives_at_train_end"] = probe.at_train_end
-        record["collective_names"] = sorted(set(SPY["calls"]))
-    (args.out / f"callbacks{rank}.json").write_text(json.dumps(record, indent=1))
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / f"rank{rank}.pt")
-
-    if torch.distributed.is_initialized():
-        # Tear the default group down now rather than during interpreter shutdown, where a
-        # gloo thread still alive has aborted a DDP run once ("terminate called without an
-        # active exception") after it had written its results.
-        torch.distributed.destroy_process_group()
+    if not fork:
+        write_results(trainer)
 
 
 if __name__ == "__main__":
