@@ -112,7 +112,7 @@ SETTINGS: dict[str, Setting] = {
     **{f"late_pr_dc{tag}_last5": Setting(fresh=0, pred=1.0, retime=True, sync_last=0.05, dc=c)
        for tag, c in (("1", 1.0), ("10", 10.0), ("100", 100.0))},
     **{f"late_r_dc{tag}_last5": Setting(fresh=0, retime=True, sync_last=0.05, dc=c)
-       for tag, c in (("0", 0.0), ("1", 1.0), ("10", 10.0), ("100", 100.0))},
+       for tag, c in (("0", 0.0), ("10", 10.0), ("100", 100.0))},
     **{f"solo_pi_{where}{pct}": Setting(fresh=1, pred=1.0, late_weight=0.5, **{f"sync_{where}": pct / 100})
        for where, pcts in (("first", (10, 25)), ("last", (3, 5, 10, 25))) for pct in pcts},
 }

@@ -126,10 +126,9 @@ def test_group_average_allocates_no_buffers_in_a_steady_state() -> None:
 
 # ------------------------------------------------------ the strategy's collectives
 def _fit(tmp: Path, *extra: str) -> dict:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", SCRIPT, "--out", str(tmp), "--launch", "fork", "--devices", "2", "--steps", "8", "--spy",
-           "--sync-dist",
-           *extra]
+           "--sync-dist", *extra]
     proc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((tmp / "callbacks0.json").read_text())

@@ -45,7 +45,8 @@ import sys
 from lightning_partial._registration import _RegisterAfterImport
 names = ("eager_sgd", "eager_sgd_majority", "eager_sgd_backup", "wagma_sgd", "ds_sync", "abs_sgd")
 for name in names:
-    assert name in pl.strategies.StrategyRegistry and name + "_spawn" in pl.strategies.StrategyRegistry, name
+    for twin in ("", "_spawn", "_fork"):
+        assert name + twin in pl.strategies.StrategyRegistry, name + twin
 assert not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path)  # the hook removed itself
 assert type(pl.__spec__.loader).__name__ == type(pl.__loader__).__name__ == "SourceFileLoader"
 """)

@@ -22,8 +22,8 @@ under torchrun, ``TORCHELASTIC_RESTART_COUNT=0``). What each rank computed is
 also appended per step to ``<out>/seen.rank<R>.attempt<A>.jsonl``, so that a
 process that dies leaves its record behind.
 
-``--launch fork`` starts the ranks with the strategy's fork twin (as
-``tests/scripts/fit.py``'s): each rank then writes its record at ``on_fit_end``;
+``--launch fork`` starts the ranks with the strategy's fork twin
+(``tests/scripts/launch.py``): each rank then writes ``rank<R>.json`` at ``on_fit_end``;
 ``--evaluate`` and ``--die-at`` need ``popen``, the default.
 """
 
@@ -174,6 +174,7 @@ def main() -> None:
             SPY["active"] = False
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # read at import: size this process's pool too
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     probe = Probe()
     callbacks: list = [probe]
@@ -186,8 +187,13 @@ def main() -> None:
         if (args.out / "ckpt" / "last.ckpt").exists():
             ckpt_path = args.out / "ckpt" / "last.ckpt"  # a restarted job resumes where it left off
     strategy = args.strategy
-    if fork:  # the registry's fork twin: ours end in "_fork", Lightning's DDP names put it after "ddp"
-        strategy = "ddp_fork" + strategy[3:] if strategy.startswith("ddp") else strategy + "_fork"
+    if fork:
+        from tests.scripts.launch import fork_twin
+
+        try:
+            strategy = fork_twin(strategy)
+        except ValueError as error:
+            parser.error(str(error))
     kw = json.loads(args.strategy_kw)
     if kw:
         kw.update({"start_method": "fork"} if fork else {})
@@ -233,7 +239,7 @@ def main() -> None:
             write(trainer, record_of(trainer))
 
     if fork:
-        callbacks.append(AtFitEnd())
+        callbacks.append(AtFitEnd())  # last: no hook after it may use the group that write() destroys
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",

@@ -19,11 +19,11 @@ ranks persistently. Loggers: ``--csv DIR`` (CSVLogger), ``--wandb DIR``
 (``lightning_partial.loggers.wandb_logger``, offline by default).
 
 ``--launch fork`` starts the ranks with the strategy's ``start_method="fork"``
-(the registry's ``*_fork`` names, ``ddp_fork``): they inherit this process's
-imports, seconds less per fit than Lightning's script launcher (``popen``, the
-default), which runs this file again for every other rank. The files above are
-then written by each rank at ``on_fit_end``; a fit that a signal ends, or one
-whose ranks build different loaders, needs ``popen``.
+(``tests/scripts/launch.py``): they inherit this process's imports, seconds less
+per fit than Lightning's script launcher (``popen``, the default), which runs
+this file again for every other rank. ``callbacks<R>.json`` and ``rank<R>.pt``
+are then written by each rank at ``on_fit_end``; a fit that a signal ends, or
+one whose ranks build different loaders, needs ``popen``.
 """
 
 from __future__ import annotations
@@ -237,6 +237,8 @@ def main() -> None:
     if fork and (args.sigterm_at or args.rank_batch_sizes):
         parser.error("--launch fork: --sigterm-at and --rank-batch-sizes need --launch popen")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # torch read the variable at import: size this process's pool too (forked ranks inherit it).
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     L.seed_everything(0)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2048, 8, generator=g)
@@ -260,8 +262,13 @@ def main() -> None:
         model.sigterm_at = (int(batch), int(rank))
     model.pid_dir = args.out / "pids"
     strategy: Any = args.strategy
-    if fork:  # the registry's fork twin: ours end in "_fork", Lightning's DDP names put it after "ddp"
-        strategy = "ddp_fork" + strategy[3:] if strategy.startswith("ddp") else strategy + "_fork"
+    if fork and not args.strategy.startswith("eager_sgd:"):
+        from tests.scripts.launch import fork_twin
+
+        try:
+            strategy = fork_twin(strategy)
+        except ValueError as error:
+            parser.error(str(error))
     launch = {"start_method": "fork"} if fork else {}
     if args.strategy.startswith("eager_sgd:"):  # a configured instance rather than a registry name
         strategy = lightning_partial.EagerSGDStrategy(mode=args.strategy.split(":", 1)[1], **launch)
@@ -348,6 +355,8 @@ def main() -> None:
             torch.distributed.destroy_process_group()
 
     if fork:
+        # Last: the tracker's on_fit_end counts the final flush round first, and no hook after it
+        # may use the process group that write_results destroys.
         callbacks.append(AtFitEnd(write_results))
     loggers: list[Logger] = []
     if args.csv is not None:
