@@ -61,8 +61,8 @@ def test_adaptive_batch_size_bad_input():
 def run_fit(out: Path, *extra: str, launch: str = "fork") -> list[dict]:
     """A 4-process abs_sgd fit of tests/scripts/fit.py (``launch``: its ``--launch``); the rank records."""
     proc = subprocess.run(
-        fit_command(out, "--strategy", "abs_sgd", "--launch", launch, *extra), env=FIT_ENV, capture_output=True,
-        text=True, timeout=240,
+        fit_command(out, "--strategy", "abs_sgd", *extra, launch=launch), env=FIT_ENV, capture_output=True, text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]

@@ -65,17 +65,18 @@ def test_bad_configuration_fails_at_construction(kw, match):
 FIT_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def fit_command(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", SCRIPT, "--out", str(out), *extra]
+def fit_command(out: Path, *extra: str, launch: str = "popen") -> list[str]:
+    """tests/scripts/fit.py's command; ``launch``: its ``--launch`` (``"fork"``: the ranks skip the imports;
+    ``"popen"``, the script launcher, for a fit that a signal ends)."""
+    return [sys.executable, "-m", SCRIPT, "--out", str(out), "--launch", launch, *extra]
 
 
 def fit(tmp_path: Path, strategy: str, *extra: str, launch: str = "fork") -> list[dict[str, torch.Tensor]]:
-    """A 4-process fit; ``launch``: fit.py's ``--launch`` (``"fork"``: the ranks skip the imports; ``"popen"``
-    for a fit that a signal ends)."""
+    """A 4-process fit (``launch``: see :func:`fit_command`); the ranks' final states."""
     out = tmp_path / strategy.replace(":", "_")
     proc = subprocess.run(
-        fit_command(out, "--strategy", strategy, "--launch", launch, *extra), env=FIT_ENV, capture_output=True,
-        text=True, timeout=240,
+        fit_command(out, "--strategy", strategy, *extra, launch=launch), env=FIT_ENV, capture_output=True, text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt") for r in range(4)]
@@ -203,7 +204,7 @@ def fit_identical(out: Path, *options: str, launch: str = "fork") -> list[dict]:
     """A 4-process fit of tests/scripts/fit.py; asserts it succeeded with bit-identical replicas; the rank records."""
     import json
 
-    proc = subprocess.run(fit_command(out, "--launch", launch, *options), env=FIT_ENV, capture_output=True, text=True,
+    proc = subprocess.run(fit_command(out, *options, launch=launch), env=FIT_ENV, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_identical(out)

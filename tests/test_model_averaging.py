@@ -93,8 +93,8 @@ def test_default_schedules():
 def run_fit(out: Path, strategy: str, *extra: str, launch: str = "fork") -> list[dict]:
     """A 4-process fit of tests/scripts/fit.py (``launch``: its ``--launch``); the rank records."""
     proc = subprocess.run(
-        fit_command(out, "--strategy", strategy, "--launch", launch, *extra), env=FIT_ENV, capture_output=True,
-        text=True, timeout=240,
+        fit_command(out, "--strategy", strategy, *extra, launch=launch), env=FIT_ENV, capture_output=True, text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
@@ -222,8 +222,8 @@ def test_resume_across_families_is_refused_unless_the_engine_state_is_dropped(tm
     assert torch.load(first / "mid.ckpt", weights_only=False)[CHECKPOINT_KEY]["family"] == "gradients"
     refused = tmp_path / "refused"
     proc = subprocess.run(
-        fit_command(refused, "--strategy", "wagma_sgd", "--launch", "fork", "--steps", "8", "--rotation", "2", "--resume",
-                    str(first / "mid.ckpt")),
+        fit_command(refused, "--strategy", "wagma_sgd", "--steps", "8", "--rotation", "2", "--resume",
+                    str(first / "mid.ckpt"), launch="fork"),
         env=FIT_ENV, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode != 0
@@ -234,8 +234,8 @@ def test_resume_across_families_is_refused_unless_the_engine_state_is_dropped(tm
     drop_engine_state(first / "mid.ckpt", first / "weights.ckpt")
     second = tmp_path / "second"
     proc = subprocess.run(
-        fit_command(second, "--strategy", "wagma_sgd", "--launch", "fork", "--steps", "8", "--rotation", "2", "--resume",
-                    str(first / "weights.ckpt")),
+        fit_command(second, "--strategy", "wagma_sgd", "--steps", "8", "--rotation", "2", "--resume",
+                    str(first / "weights.ckpt"), launch="fork"),
         env=FIT_ENV, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

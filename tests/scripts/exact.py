@@ -90,8 +90,9 @@ def main() -> None:
     parser.add_argument("--die-at", type=int, default=None)
     parser.add_argument("--die-rank", type=int, default=2)
     parser.add_argument("--strategy-kw", default="{}", help="JSON keyword arguments of a configured strategy")
+    # Not launch.add_launch_option: that module imports Lightning, which must come after the spy.
     parser.add_argument("--launch", choices=("popen", "fork"), default="popen",
-                        help="how Lightning starts the ranks (see the module docstring)")
+                        help="how Lightning starts the ranks: see tests/scripts/launch.py")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     fork = args.launch == "fork"
@@ -103,6 +104,7 @@ def main() -> None:
     import lightning as L
 
     import lightning_partial  # noqa: F401 - registers the strategies
+    from tests.scripts.launch import AtFitEnd, registry_name, release_default_group
 
     P, D, B = 4, 6, 4
     lr = 1 / 8
@@ -186,17 +188,11 @@ def main() -> None:
                                          save_top_k=-1, save_last=True))
         if (args.out / "ckpt" / "last.ckpt").exists():
             ckpt_path = args.out / "ckpt" / "last.ckpt"  # a restarted job resumes where it left off
-    strategy = args.strategy
-    if fork:
-        from tests.scripts.launch import fork_twin
-
-        try:
-            strategy = fork_twin(strategy)
-        except ValueError as error:
-            parser.error(str(error))
+    strategy = registry_name(parser, args.strategy, fork)
     kw = json.loads(args.strategy_kw)
     if kw:
-        kw.update({"start_method": "fork"} if fork else {})
+        if fork:
+            kw["start_method"] = "fork"
         classes = {"eager_sgd": lightning_partial.EagerSGDStrategy, "wagma_sgd": lightning_partial.WAGMAStrategy,
                    "ds_sync": lightning_partial.DSSyncStrategy, "abs_sgd": lightning_partial.ABSSGDStrategy}
         strategy = classes[args.strategy](**kw)
@@ -226,20 +222,10 @@ def main() -> None:
 
     def write(trainer: L.Trainer, record: dict) -> None:
         (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
-        if torch.distributed.is_initialized():
-            # Tear the default group down now rather than during interpreter shutdown, where a
-            # gloo thread still alive has aborted a DDP run once ("terminate called without an
-            # active exception") after it had written its results.
-            torch.distributed.destroy_process_group()
-
-    class AtFitEnd(L.Callback):
-        """``--launch fork``: every rank writes its record (the code after ``trainer.fit`` runs in the parent only)."""
-
-        def on_fit_end(self, trainer, pl_module):
-            write(trainer, record_of(trainer))
+        release_default_group()
 
     if fork:
-        callbacks.append(AtFitEnd())  # last: no hook after it may use the group that write() destroys
+        callbacks.append(AtFitEnd(lambda trainer: write(trainer, record_of(trainer))))  # last (see AtFitEnd)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",

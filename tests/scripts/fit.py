@@ -54,6 +54,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_partial  # noqa: F401 - registers the strategies
 from lightning_partial.callbacks import AdaptiveBatchSize, GroupRotation, LoadImbalance, StalenessTracker
+from tests.scripts.launch import AtFitEnd, add_launch_option, registry_name, release_default_group
 
 
 class Regressor(L.LightningModule):
@@ -146,17 +147,6 @@ class EpochProbe(L.Callback):
         self.before_steps = getattr(self, "before_steps", 0) + 1
 
 
-class AtFitEnd(L.Callback):
-    """Calls ``write`` in every rank at the end of the fit (``--launch fork``: the code after
-    ``trainer.fit`` then runs in the parent only)."""
-
-    def __init__(self, write) -> None:
-        self.write = write
-
-    def on_fit_end(self, trainer, pl_module):
-        self.write(trainer)
-
-
 class Probe(L.Callback):
     """With ``--spy``: counts the default group's collectives from the first batch start to each batch end.
 
@@ -229,8 +219,7 @@ def main() -> None:
     parser.add_argument("--sigterm-at", default=None, help="BATCH:RANK: that rank sends itself SIGTERM in that step")
     parser.add_argument("--rank-batch-sizes", default=None,
                         help="one loader batch size per rank, e.g. 16,16,8,8 (default: 16 on every rank)")
-    parser.add_argument("--launch", choices=("popen", "fork"), default="popen",
-                        help="how Lightning starts the ranks (see the module docstring)")
+    add_launch_option(parser)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     fork = args.launch == "fork"
@@ -261,17 +250,12 @@ def main() -> None:
         batch, rank = args.sigterm_at.split(":")
         model.sigterm_at = (int(batch), int(rank))
     model.pid_dir = args.out / "pids"
-    strategy: Any = args.strategy
-    if fork and not args.strategy.startswith("eager_sgd:"):
-        from tests.scripts.launch import fork_twin
-
-        try:
-            strategy = fork_twin(strategy)
-        except ValueError as error:
-            parser.error(str(error))
     launch = {"start_method": "fork"} if fork else {}
+    strategy: Any
     if args.strategy.startswith("eager_sgd:"):  # a configured instance rather than a registry name
         strategy = lightning_partial.EagerSGDStrategy(mode=args.strategy.split(":", 1)[1], **launch)
+    else:
+        strategy = registry_name(parser, args.strategy, fork)
     kw = json.loads(args.strategy_kw)
     kw = {k: timedelta(seconds=v) if k.endswith("timeout") else v for k, v in kw.items()}
     if kw:
@@ -348,16 +332,10 @@ def main() -> None:
             record["collective_names"] = sorted(set(SPY["calls"]))
         (args.out / f"callbacks{rank}.json").write_text(json.dumps(record, indent=1))
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out / f"rank{rank}.pt")
-        if torch.distributed.is_initialized():
-            # Tear the default group down now rather than during interpreter shutdown, where a
-            # gloo thread still alive has aborted a DDP run once ("terminate called without an
-            # active exception") after it had written its results.
-            torch.distributed.destroy_process_group()
+        release_default_group()
 
     if fork:
-        # Last: the tracker's on_fit_end counts the final flush round first, and no hook after it
-        # may use the process group that write_results destroys.
-        callbacks.append(AtFitEnd(write_results))
+        callbacks.append(AtFitEnd(write_results))  # last (see AtFitEnd)
     loggers: list[Logger] = []
     if args.csv is not None:
         loggers.append(CSVLogger(args.csv, name="fit", version=0))
