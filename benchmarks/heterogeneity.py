@@ -32,7 +32,7 @@ that its batches take ``1/f`` as long):
   micro-batch starts a round, one optimizer step per global batch, the
   linear scaling rule, weight prediction, the staleness rule ``"auto"``);
   ``--target-samples``, ``--reference-samples``, ``--step-samples``,
-  ``--no-weight-prediction``, ``--staleness-rule`` and ``--final-sync`` set the strategy's
+  ``--no-weight-prediction``, ``--staleness-rule``, ``--final-sync`` and ``--delay`` set the strategy's
   options (``--target-samples 256 --reference-samples none --step-samples none
   --no-weight-prediction --staleness-rule none``: the paper's rules at the
   benchmark's earlier round size), ``--abs-batch-size`` its own micro-batch,
@@ -294,7 +294,7 @@ def run_worker(args: argparse.Namespace) -> int:
                                                          step_boundary=args.step_boundary,
                                                          staleness_rule=args.staleness_rule,
                                                          weight_prediction=args.weight_prediction,
-                                                         final_sync=args.final_sync)
+                                                         final_sync=args.final_sync, delay=args.delay)
         # Rounds (not optimizer steps): with one step per global batch, rounds per step decide how much of a
         # step's gradient was computed a step earlier.
         strategy.round_listeners.append(lambda index, stats: clock.rounds.append(index))
@@ -455,7 +455,7 @@ def worker_command(args: argparse.Namespace, name: str) -> list[str]:
             "--lr-schedule", args.lr_schedule,
             "--weight-prediction" if args.weight_prediction else "--no-weight-prediction",
             "--abs-epochs", str(args.abs_epochs), "--threads", str(args.threads), "--final-sync", str(args.final_sync),
-            *(["--thread-cpu"] if args.thread_cpu else [])]
+            "--delay", str(args.delay), *(["--thread-cpu"] if args.thread_cpu else [])]
 
 
 def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
@@ -583,7 +583,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             "speed": args.speed, "target_samples": args.target_samples if args.interval is None else None,
             "interval": args.interval, "reference_samples": args.reference_samples,
             "step_samples": args.step_samples, "step_boundary": args.step_boundary,
-            "adaptive": args.adaptive, "final_sync": args.final_sync,
+            "adaptive": args.adaptive, "final_sync": args.final_sync, "delay": args.delay,
             "abs_epochs": args.abs_epochs, "steps": args.steps, "batch_size": args.batch_size,
             "abs_batch_size": args.abs_batch_size, "repeats": args.repeats, "threads": args.threads,
             "environment": environment(args), "results": results, "summary": summary}
@@ -678,6 +678,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "recorded before the option existed ran without it)")
     parser.add_argument("--staleness-rule", choices=("auto", "momentum", "inverse", "none"), default="auto",
                         help="abs_sgd's staleness_rule (auto: spike compensation under SGD momentum)")
+    parser.add_argument("--delay", type=lambda v: v if v == "auto" else int(v), choices=["auto", 0, 1], default="auto",
+                        help="abs_sgd's delay: 1 (results one round late, the paper's), 0 (synchronous rounds) or "
+                             "auto (default: 0 under AdamW, 1 under SGD)")
     parser.add_argument("--final-sync", type=float, default=0.05,
                         help="abs_sgd's final_sync: the last fraction of the samples in synchronous rounds (0: off)")
     parser.add_argument("--thread-cpu", action="store_true",

@@ -46,6 +46,10 @@ def test_registry_names():
         ({"staleness_rule": "delay"}, "unknown staleness_rule 'delay'"),
         ({"final_sync": 1.0}, "abs_sgd: final_sync must be a fraction"),
         ({"final_sync": -0.1}, "abs_sgd: final_sync must be a fraction"),
+        ({"delay": 2}, r"abs_sgd: delay must be 0, 1 or 'auto', got 2"),
+        ({"delay": True}, r"abs_sgd: delay must be 0, 1 or 'auto', got True"),
+        ({"delay": "sometimes"}, r"abs_sgd: delay must be 0, 1 or 'auto'"),
+        ({"delay": 1.0}, r"abs_sgd: delay must be 0, 1 or 'auto', got 1.0"),
     ],
 )
 def test_bad_configuration_fails_at_construction(kwargs, match):
@@ -109,23 +113,51 @@ def test_fit_two_epochs_under_persistent_heterogeneity(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_adamw_results_are_retimed_through_adams_moments_and_replicas_stay_identical(tmp_path):
-    """AdamW under speeds 1, 1, 0.5, 0.25: "auto" resolves to "momentum" with beta1 (every late result's
-    first-moment share re-timed, compensation.retime_adam), logged as the update rule; replicas end bit-identical."""
+    """AdamW under speeds 1, 1, 0.5, 0.25 with the paper's delay (``delay=1``): "auto" resolves to "momentum" with
+    beta1 (every late result's first-moment share re-timed, compensation.retime_adam), logged as the update rule;
+    replicas end bit-identical."""
     out = tmp_path / "run"
-    records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "1", "--optimizer", "adamw")
+    records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "1", "--optimizer", "adamw",
+                      "--strategy-kw", json.dumps({"delay": 1}))
     assert_identical(out)
     assert all(r["staleness_weights"] == {"rule": "momentum", "momentum": 0.9, "dampening": 0.0} for r in records)
     assert all(r["update_rule"]["staleness_rule"] == "momentum" for r in records), records[0]["update_rule"]
+    assert all(r["update_rule"]["delay"] == 1 for r in records)
     assert records[0]["global_step"] > 0
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("final_sync", [None, 0.7])
-def test_resume_from_an_epoch_end_checkpoint(tmp_path, final_sync):
+def test_adamw_runs_synchronous_rounds_sized_by_each_ranks_measured_speed(tmp_path):
+    """AdamW under speeds 1, 1, 0.5, 0.25 at the defaults: ``delay="auto"`` resolves to 0, so every micro-batch is
+    applied by the step that includes its own round (step lag 0 for every sample, each sample applied once);
+    AdaptiveBatchSize sizes the micro-batches from each rank's measured work time (in synchronous rounds the
+    samples per round only repeat the sizes), so the slowest rank's are the smallest; replicas end bit-identical."""
+    out = tmp_path / "run"
+    records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "1", "--optimizer", "adamw", "--adaptive")
+    assert_identical(out)
+    assert all(r["update_rule"]["delay"] == 0 for r in records), records[0]["update_rule"]
+    for record in records:
+        lags = {int(k): n for k, n in record["step_lags"].items()}
+        assert set(lags) == {0} and lags[0] == sum(record["epoch_samples"]), (lags, record["epoch_samples"])
+    sizes = records[0]["adaptive"]
+    assert sizes and all(s == records[1]["adaptive"][i] for i, s in enumerate(sizes))  # the same on every rank
+    assert max(sizes[-1][1]) == 16, sizes  # the fastest keeps the loader's 16
+    mean = [sum(s[1][r] for s in sizes) / len(sizes) for r in range(4)]
+    assert mean[3] < min(mean[0], mean[1]), (mean, sizes)
+    first = [r["epoch_samples"][0] for r in records]
+    assert first[0] > first[3] and first[1] > first[3], first
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("final_sync, resume_delay", [(None, None), (0.7, None), (None, 0)],
+                         ids=["default", "final_sync", "resumed_without_the_delay"])
+def test_resume_from_an_epoch_end_checkpoint(tmp_path, final_sync, resume_delay):
     """The checkpoint (taken with nothing in flight) carries the rounds, the global samples, the pending
     gradient sums and the unapplied result; the resumed fit ends its epochs and its replicas like the first.
     At the default the synchronous finish starts after the checkpoint (the resumed fit reaches it from the
-    restored global samples); with ``final_sync=0.7`` the checkpoint is inside it: nothing is unapplied."""
+    restored global samples); with ``final_sync=0.7`` the checkpoint is inside it: nothing is unapplied.
+    Resumed with ``delay=0`` from the delayed fit's checkpoint (an unapplied result and pending sums): the
+    resumed fit runs synchronous rounds, its replicas end bit-identical and each of its samples is applied once."""
     kw = ["--strategy-kw", json.dumps({"final_sync": final_sync})] if final_sync is not None else []
     first = tmp_path / "first"
     run_fit(first, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--save-epoch", "0", *kw)
@@ -143,9 +175,17 @@ def test_resume_from_an_epoch_end_checkpoint(tmp_path, final_sync):
     else:
         assert all(s["unapplied"] == [] and s["pending"] == [] for s in states)  # every result applied at once
     second = tmp_path / "second"
+    if resume_delay is not None:
+        kw = ["--strategy-kw", json.dumps({"delay": resume_delay})]
     records = run_fit(second, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--resume", str(first / "mid.ckpt"),
                       *kw)
     assert_identical(second)
+    if resume_delay is not None:
+        assert all(r["update_rule"]["delay"] == 0 for r in records)
+        # Every sample of the second epoch applied once (the step lags count the resumed fit's micro-batches).
+        for record in records:
+            lags = {int(k): n for k, n in record["step_lags"].items()}
+            assert sum(lags.values()) == sum(record["epoch_samples"]), (lags, record["epoch_samples"])
     assert all(len(r["epoch_batches"]) == 1 for r in records)  # the second epoch only
     assert len({r["global_step"] for r in records}) == 1
 
@@ -195,13 +235,15 @@ def _tiny_fit(strategy, tmp_path: Path, optimizer=lambda params: torch.optim.SGD
     return model
 
 
-@pytest.mark.parametrize("final_sync", [0.0, 0.3])
-def test_spike_compensation_spares_the_first_step_and_retimes_every_later_one(tmp_path, final_sync):
+@pytest.mark.parametrize("final_sync, delay", [(0.0, 1), (0.3, 1), (0.05, 0)])
+def test_spike_compensation_spares_the_first_step_and_retimes_every_later_one(tmp_path, final_sync, delay):
     """One rank, SGD momentum 0.5, no prediction: the first step from a fresh optimizer is on time (its
     micro-batches ran at the weights it steps), so it is plain SGD on the gradient as it is; every later
     step takes ``mu * g`` into the momentum buffer and applies ``lr * g`` at once (g = the stepped gradient
     / mu). With ``final_sync=0.3`` of 10 rounds, rounds 7-9 are synchronous: round 7's micro-batch is still a
-    round late, rounds 8 and 9 are fresh, so their steps are plain SGD again. Read from the weights and
+    round late, rounds 8 and 9 are fresh, so their steps are plain SGD again. With ``delay=0`` every round is
+    synchronous from the first: every step is plain momentum SGD on fresh gradients (buffer ``mu * b + g``,
+    ``w - lr * b``), every micro-batch at lag 0, and the final round finds nothing. Read from the weights and
     gradients seen at each on_before_optimizer_step."""
     import lightning as L
 
@@ -213,13 +255,18 @@ def test_spike_compensation_spares_the_first_step_and_retimes_every_later_one(tm
             params = list(pl_module.parameters())
             seen.append(([p.detach().clone() for p in params], [p.grad.detach().clone() for p in params]))
 
-    model = _tiny_fit(ABSSGDStrategy(weight_prediction=False, final_sync=final_sync), tmp_path, callbacks=[Record()],
-                      max_steps=10, optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=mu))
+    strategy = ABSSGDStrategy(weight_prediction=False, final_sync=final_sync, delay=delay)
+    model = _tiny_fit(strategy, tmp_path, callbacks=[Record()], max_steps=10,
+                      optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=mu))
     final = [p.detach().clone() for p in model.parameters()]
     # A step per round (one rank: its micro-batch is the global batch), and the final round's: without the
     # finish it applies the micro-batch that came after round 9; with it, every micro-batch was applied on time.
     assert len(seen) == (10 if final_sync else 11)
-    fresh = {8, 9} if final_sync else set()
+    fresh = set(range(1, 10)) if delay == 0 else {8, 9} if final_sync else set()
+    assert strategy.update_rule()["delay"] == delay
+    if delay == 0:
+        assert strategy.step_lags.histogram(0) == {0: 8 * 10}
+        assert strategy.round_stats[0].flush and strategy.round_stats[0].contributions == 0
     buffers = None
     for k, (weights, grads) in enumerate(seen):
         after = seen[k + 1][0] if k + 1 < len(seen) else final
@@ -234,6 +281,44 @@ def test_spike_compensation_spares_the_first_step_and_retimes_every_later_one(tm
             expected = [w - lr * b - lr * gr / mu for w, b, gr in zip(weights, buffers, grads)]
         for a, e in zip(after, expected):
             assert torch.allclose(a, e, rtol=1e-5, atol=1e-6), (k, (a - e).abs().max())
+
+
+@pytest.mark.parametrize("optimizer, delay", [
+    (lambda params: torch.optim.AdamW(params, lr=0.01), 0),
+    (lambda params: torch.optim.Adam(params, lr=0.01), 0),
+    (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), 1),
+    (lambda params: torch.optim.SGD(params, lr=0.1), 1),
+    (lambda params: torch.optim.RMSprop(params, lr=0.01), 1),
+], ids=["AdamW", "Adam", "SGD-momentum", "SGD", "RMSprop"])
+def test_auto_delay_is_zero_for_adam_like_optimizers_only(tmp_path, optimizer, delay):
+    strategy = ABSSGDStrategy(staleness_rule="none")
+    assert strategy.update_rule()["delay"] == "auto"  # before set-up: as configured
+    _tiny_fit(strategy, tmp_path, optimizer=optimizer)
+    assert strategy.update_rule()["delay"] == delay
+
+
+def test_adaptive_sizes_from_work_time_in_synchronous_rounds():
+    """The sizing rule on given headers: asynchronous rounds size by samples per round; a window of synchronous
+    rounds (every rank one micro-batch per round) by samples per busy second, ``B * v_i / max_j v_j``."""
+    from lightning_partial.collectives import RoundStats
+
+    class Sampler:
+        batch_size = 16
+
+    def stats(r: int, counts, busy, synchronous: bool) -> RoundStats:
+        return RoundStats(round_index=r, activator=-1, initiator=None, synchronous=synchronous, flush=False,
+                          fresh=(), counts=counts, staleness=(0,) * 4, oldest_staleness=(0,) * 4, progress=(),
+                          dropped=(0,) * 4, contributions=sum(counts), divisor=float(sum(counts)), busy=busy)
+
+    callback = AdaptiveBatchSize(window=2, log=False)
+    callback.base, callback._sampler = 16, Sampler()
+    for r in range(2):  # asynchronous: shares of the samples (busy ignored)
+        callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.1, 0.1), False))
+    assert callback.sizes == (16, 16, 8, 4)
+    for r in range(2, 4):  # synchronous: the same samples, but ranks 2 and 3 take 4 and 8 times as long per sample
+        callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.2, 0.2), True))
+    assert callback.sizes == (16, 16, 4, 2)
+    assert callback._sampler.batch_size == 16  # rank 0's
 
 
 def test_step_lags_count_the_optimizer_steps_between_a_gradients_weights_and_its_step(tmp_path):

@@ -87,6 +87,7 @@ CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("abs_sgd time trigger without interval", lambda: ABSSGDStrategy(trigger="time"), r"interval"),
     ("abs_sgd interval with samples", lambda: ABSSGDStrategy(interval=0.5), r"interval"),
     ("abs_sgd target_samples 0", lambda: ABSSGDStrategy(target_samples=0), r"target_samples"),
+    ("abs_sgd delay 2", lambda: ABSSGDStrategy(delay=2), r"delay must be 0, 1 or .auto."),
     ("abs_sgd reference_samples -4", lambda: ABSSGDStrategy(reference_samples=-4), r"reference_samples"),
     ("abs_sgd reference_samples unknown word", lambda: ABSSGDStrategy(reference_samples="auto"), r"reference_samples"),
     ("abs_sgd weight_prediction not a bool", lambda: ABSSGDStrategy(weight_prediction=1), r"weight_prediction"),

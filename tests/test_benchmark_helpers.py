@@ -61,6 +61,8 @@ def test_abs_sgd_runs_at_the_strategy_defaults_unless_told_and_bad_sample_option
     assert (args.target_samples, args.reference_samples, args.step_samples) == (None, "global_batch", "global_batch")
     defaults = inspect.signature(ABSSGDStrategy).parameters
     assert (args.step_boundary, args.final_sync) == (defaults["step_boundary"].default, defaults["final_sync"].default)
+    assert args.delay == defaults["delay"].default == "auto"
+    assert heterogeneity.build_parser().parse_args(["--delay", "0"]).delay == 0
     assert heterogeneity.default_lr(args) == 0.04  # plain SGD's 0.4 at momentum 0.9
     paper = heterogeneity.build_parser().parse_args(["--reference-samples", "none", "--step-samples", "none"])
     assert (paper.reference_samples, paper.step_samples) == (None, None)

@@ -46,7 +46,7 @@ Items:
 9. ``test_nccl_only_on_the_communication_thread``: in a one-GPU fit, every NCCL
    collective during fit comes from the engine's communication thread; the
    strategy's own collectives (``sync_dist``, ``all_gather``, ``barrier``) run on gloo.
-10. ``test_abs_sgd_adamw_retimes_on_the_device``: ``strategy="abs_sgd"`` with AdamW on one GPU
+10. ``test_abs_sgd_adamw_retimes_on_the_device``: ``abs_sgd`` (``delay=1``) with AdamW on one GPU
     (``32-true``, ``bf16-mixed``): every step after the first re-timed through Adam's moments on the
     device (``compensation.retime_adam``), the weights finite, the training loss lower. The
     formula's own CUDA checks are ``tests/test_staleness.py``'s ``[cuda]`` variants (``python3 -m pytest -m cuda tests/test_cuda.py tests/test_staleness.py``).

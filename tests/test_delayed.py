@@ -28,7 +28,9 @@ def samples_of(rank: int, k: int) -> int:
     return 1 + (rank + k) % 3
 
 
-def train(config: DelayedConfig, *, delays_ms: tuple[float, ...], agree: dict) -> callable:
+def train(config: DelayedConfig, *, delays_ms: tuple[float, ...], agree: dict, keep_stats: bool = False) -> callable:
+    """Each rank deposits micro-batches until the final round, then agrees on the last round and finishes;
+    ``keep_stats``: each handed result's record carries its ``stats.busy`` too."""
     barrier = threading.Barrier(P)
 
     def fn(rank: int, store: dist.Store) -> dict:
@@ -43,7 +45,8 @@ def train(config: DelayedConfig, *, delays_ms: tuple[float, ...], agree: dict) -
                 results = engine.deposit([g], samples=b)
                 into = engine.deposit_round  # the round that takes this micro-batch
                 deposits.append((g, b, into, engine.started_round))
-                handed_at.append([(r.round_index, r.tensors[0].clone(), r.stats.counts) for r in results])
+                handed_at.append([(r.round_index, r.tensors[0].clone(), r.stats.counts)
+                                  + ((r.stats.busy,) if keep_stats else ()) for r in results])
                 k += 1
                 if k > 2000:
                     raise AssertionError("the final round never came")
@@ -70,7 +73,7 @@ def skewed() -> list[dict]:
 
 
 def rounds_of(record: dict) -> list[tuple[int, torch.Tensor, tuple[int, ...]]]:
-    return [item for batch in record["handed_at"] for item in batch] + record["final"]
+    return [item[:3] for batch in record["handed_at"] for item in batch] + record["final"]
 
 
 def test_every_rank_applies_the_same_results_in_order(skewed):
@@ -204,6 +207,29 @@ def test_synchronous_finish_runs_lock_step_rounds_of_fresh_gradients(by):
                 assert batch and batch[-1][0] == into  # its result is handed in the same call: fresh
         for r in range(first_sync, 30):
             assert results[r][1][rank] > 0, (rank, r)  # every rank in every synchronous round
+
+
+def test_synchronous_from_the_first_round_hands_every_result_at_once_and_measures_each_ranks_work():
+    """``sync_from=0`` (abs_sgd's ``delay=0``): every round, the first included, holds exactly one micro-batch of
+    every rank and hands its result back in the call that deposited it (``fresh_from`` 0); the update is the
+    sample-weighted sum and nothing is lost. Each round's header carries each rank's ``busy`` seconds (from its
+    previous deposit's return to this deposit): at least the rank's own sleep, whatever it waited for the others,
+    and the same statistics on every rank."""
+    config = DelayedConfig(target_samples=4, max_rounds=12, sync_from=0, timeout=timedelta(seconds=30), name="sync0")
+    delays_ms = (2.0, 4.0, 8.0, 16.0)
+    records = run_threads(P, train(config, delays_ms=delays_ms, agree={}, keep_stats=True))
+    results = check_sums_and_conservation(records)
+    assert {record["fresh_from"] for record in records} == {0}
+    for rank, record in enumerate(records):
+        assert [into for _, _, into, _ in record["deposits"]] == list(range(12))
+        for (_, b, into, _), batch in zip(record["deposits"], record["handed_at"]):
+            assert results[into][1][rank] == b  # one micro-batch per rank and round
+            assert [x[0] for x in batch] == [into]  # handed in the same call: fresh
+    busy = [[x[3] for x in batch] for batch in records[0]["handed_at"]]
+    assert all(record["handed_at"][k][0][3] == busy[k][0] for record in records for k in range(12))
+    assert busy[0][0] == (0.0, 0.0, 0.0, 0.0)  # nothing measured before the first deposit
+    for k in range(1, 12):
+        assert all(busy[k][0][rank] >= delays_ms[rank] / 1000 for rank in range(P)), (k, busy[k][0])
 
 
 @pytest.mark.parametrize(

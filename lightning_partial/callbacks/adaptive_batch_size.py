@@ -11,7 +11,14 @@ workers finishing their batches together):
 
 where ``B`` is the loader's batch size (the fastest rank keeps it) and ``s_i``
 rank ``i``'s samples per round over the last ``window`` rounds (its share of
-the work; every rank is always busy, so that is its throughput). The
+the work; every rank is always busy, so that is its throughput). In
+synchronous rounds (``abs_sgd(delay=0)``, and its synchronous finish) every
+rank contributes one micro-batch per round whatever its speed, so the shares
+would only repeat the sizes: when every round of the window is synchronous,
+``s_i`` is rank ``i``'s samples per second of its own work (the header's
+``busy`` seconds: from each of its deposits' return to the next, waits for
+the other ranks excluded), and the sizes make every rank's micro-batch take
+about as long. The
 per-rank samples travel in every round's header, so every rank computes the
 same sizes for every rank at the same round, with no collective, and rank 0
 can log all of them: ``abs/batch_size`` (this rank's), ``abs/batch_size_rank{i}``
@@ -54,7 +61,8 @@ class AdaptiveBatchSize(Callback):
         self.sizes: Optional[tuple[int, ...]] = None  # every rank's current size
         # (round, sizes) at each update, the latest ``history`` of them.
         self.history: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=history)
-        self._counts: deque[tuple[int, ...]] = deque(maxlen=window)
+        # Per round: (samples, busy seconds, synchronous), every rank's.
+        self._counts: deque[tuple[tuple[int, ...], tuple[float, ...], bool]] = deque(maxlen=window)
         self._rank = 0
         self._sampler: Any = None
         self._pending_log: Optional[dict[str, float]] = None
@@ -87,10 +95,10 @@ class AdaptiveBatchSize(Callback):
         """Strategy's thread (the training loop), for every round applied, in order: the same on every rank."""
         if index != 0 or self.base is None or stats.flush:
             return
-        self._counts.append(stats.counts)
+        self._counts.append((stats.counts, stats.busy, stats.synchronous))
         if len(self._counts) < self.window or (stats.round_index + 1) % self.window:
             return
-        shares = [sum(c[i] for c in self._counts) for i in range(len(stats.counts))]
+        shares = self._shares(len(stats.counts))
         top = max(shares)
         if top <= 0:
             return
@@ -100,12 +108,21 @@ class AdaptiveBatchSize(Callback):
         self.sizes = sizes
         self.history.append((stats.round_index, sizes))
         self._sampler.batch_size = sizes[self._rank]
-        per_round = [s / len(self._counts) for s in shares]
+        per_round = [sum(c[0][i] for c in self._counts) / len(self._counts) for i in range(len(shares))]
         self._pending_log = {
             "abs/batch_size": float(sizes[self._rank]),
             **{f"abs/batch_size_rank{i}": float(b) for i, b in enumerate(sizes)},
             **{f"abs/samples_per_round_rank{i}": float(x) for i, x in enumerate(per_round)},
         }
+
+    def _shares(self, world_size: int) -> list[float]:
+        """Each rank's speed over the window: samples per round, or samples per busy second (synchronous rounds)."""
+        samples = [sum(c[0][i] for c in self._counts) for i in range(world_size)]
+        if all(c[2] and len(c[1]) == world_size for c in self._counts):
+            busy = [sum(c[1][i] for c in self._counts) for i in range(world_size)]
+            if all(b > 0 for b in busy):
+                return [n / b for n, b in zip(samples, busy)]
+        return [float(n) for n in samples]
 
     @override
     def on_train_batch_end(

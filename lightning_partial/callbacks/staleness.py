@@ -24,7 +24,7 @@ Contract:
   on a batch shows its previous round again (``partial/round_<i>`` tells).
 * At train start, logs the strategy's update rule as hyperparameters
   (``partial/weight_prediction``, ``partial/staleness_rule``: the rule resolved
-  against the optimizer; ``abs_sgd``: ``partial/step_samples``, ``partial/step_boundary``; ``wagma_sgd``, ``ds_sync``:
+  against the optimizer; ``abs_sgd``: ``partial/step_samples``, ``partial/step_boundary``, ``partial/delay``; ``wagma_sgd``, ``ds_sync``:
   ``partial/adaptive_scaling``; every strategy here: ``partial/final_sync``), from
   ``trainer.strategy.update_rule()``.
 * Keeps a running :class:`StalenessSummary` per optimizer in :attr:`summary`,

@@ -161,6 +161,7 @@ class SampleDeposit(Deposit):
 
     samples: int = 0
     first_step: Optional[int] = None  # the round that took the oldest micro-batch in it
+    busy: float = 0.0  # seconds the caller worked on these micro-batches (from each deposit's return to the next)
 
 
 class DelayedAllreduce(PartialAllreduce):
@@ -211,6 +212,9 @@ class DelayedAllreduce(PartialAllreduce):
         self.deposit_round = -1  # the round that takes the latest deposit (for tests and stats)
         self._global_samples = 0
         self._contributed_at = time.monotonic()
+        # When the caller's last deposit() returned (caller's thread only): the time until its next
+        # deposit is the work behind that micro-batch, whatever the engine made it wait before.
+        self._returned_at: Optional[float] = None
         self._restored: list[RoundResult] = []  # unapplied results from a checkpoint, handed first
         # The first synchronous round (the finish): set by the communication thread once the
         # global samples reach sync_from_samples, never moved later.
@@ -240,10 +244,13 @@ class DelayedAllreduce(PartialAllreduce):
         """The first round whose every contribution is fresh (the synchronous finish's second), once known.
 
         From it on, each rank computed its micro-batch after applying every earlier
-        round's result (the same on every rank: the rounds run in lock-step).
+        round's result (the same on every rank: the rounds run in lock-step). Round 0
+        when every round is synchronous (``sync_from=0``): no asynchronous round came first.
         """
         with self._cond:
-            return None if self._sync_from is None else self._sync_from + 1
+            if self._sync_from is None:
+                return None
+            return 0 if self._sync_from == 0 else self._sync_from + 1
 
     def is_fresh(self, round_index: int) -> bool:
         """Whether every contribution to round ``round_index`` was computed on the weights it is applied to."""
@@ -265,7 +272,18 @@ class DelayedAllreduce(PartialAllreduce):
         i.e. until the previous round has completed (bounded by the timeout).
         In the synchronous finish every micro-batch arrives at the next round,
         and blocks until that round has completed: its result is due at once.
+        The time since the previous call returned is this micro-batch's work,
+        reported per rank in the round's ``RoundStats.busy``.
         """
+        arrived = time.monotonic()
+        busy = 0.0 if self._returned_at is None else arrived - self._returned_at
+        try:
+            return self._deposit(tensors, samples, busy)
+        finally:
+            self._returned_at = time.monotonic()
+
+    def _deposit(self, tensors: Tensors, samples: int, busy: float) -> list[RoundResult]:
+        """:meth:`deposit`, with the seconds of work behind the micro-batch (0.0 for the first)."""
         self._check_running("deposit")
         check_int("samples", samples, owner=f"rank {self.rank}")
         grads = self._as_list(tensors)
@@ -286,9 +304,10 @@ class DelayedAllreduce(PartialAllreduce):
                     acc.add_(f)
                 self.layout.recycle(flats)
                 d.samples += samples
+                d.busy += busy
                 d.step = q
             else:
-                d = SampleDeposit(flats, q, samples=samples, first_step=q)
+                d = SampleDeposit(flats, q, samples=samples, first_step=q, busy=busy)
                 self._pending.append(d)
             self._record_ready(d)
             self.deposit_round = q
@@ -445,6 +464,10 @@ class DelayedAllreduce(PartialAllreduce):
             restored.append(RoundResult(round_index=int(item["round"]), tensors=self.layout.unflatten(flats),
                                         stats=stats, buffers=flats, layout=self.layout))
         self._restored = restored
+        if self._sync_from == 0 and (restored or any(d.samples for d in self._pending)):
+            # Synchronous throughout, resumed with what a delayed fit left pending or unapplied: the
+            # resumed round holds gradients computed before those results are applied, fresh from the next.
+            self._sync_from = self.step
         threshold = self.delayed.sync_from_samples
         if threshold is not None and self._global_samples >= threshold:
             # Saved in the finish (or right at its start): it goes on from the next round. The
@@ -538,6 +561,10 @@ class DelayedAllreduce(PartialAllreduce):
         # Under self._cond, at the snapshot: the request (if any) is served by this round.
         self._requested = False
         self._contributed_at = time.monotonic()
+
+    def _busy(self, deposits: list[Deposit]) -> float:
+        """Header column: the caller's seconds of work behind the micro-batches taken."""
+        return sum(cast(SampleDeposit, d).busy for d in deposits)
 
     def _describe_contribution(self, deposits: list[Deposit]) -> tuple[int, int, int]:
         """Header columns: the samples summed, the newest step, the oldest micro-batch's round."""

@@ -19,11 +19,13 @@ from torch import Tensor
 from lightning_partial.collectives.errors import PartialCollectiveError
 
 # Columns of the per-rank header row.
-COUNT, NEWEST, OLDEST, ACTIVATED, FLUSH, PROGRESS, DROPPED, STOP, DISCOUNT = range(9)
-WIDTH = 9
+COUNT, NEWEST, OLDEST, ACTIVATED, FLUSH, PROGRESS, DROPPED, STOP, DISCOUNT, BUSY = range(10)
+WIDTH = 10
 # DISCOUNT holds the gradients' worth that staleness weights withheld, in fixed point
 # (2**-24: exact for mu = 0.5 and tau <= 24, within 6e-8 per contribution otherwise).
 DISCOUNT_SCALE = 1 << 24
+# BUSY holds the seconds of work behind the contribution, in microseconds (DelayedAllreduce).
+BUSY_SCALE = 1_000_000
 LIMB_BITS = 8
 LIMBS = 64 // LIMB_BITS
 _LIMB_SHIFTS = torch.arange(LIMBS, dtype=torch.int64) * LIMB_BITS

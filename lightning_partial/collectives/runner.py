@@ -150,6 +150,7 @@ class RoundRunner(EngineGroups):
             own[header.DROPPED] = self._dropped
             own[header.STOP] = int(self._stop_requested)
             own[header.DISCOUNT] = round(self._weigh(r, deposits) * header.DISCOUNT_SCALE)
+            own[header.BUSY] = round(max(self._busy(deposits), 0.0) * header.BUSY_SCALE)
             self._dropped = 0
         # Whether every rank takes part in the data collective with the same role
         # (GroupAverage: a global average). Known locally: the flush round is the
@@ -226,6 +227,7 @@ class RoundRunner(EngineGroups):
             progress=tuple(int(p) for p in summed[:, header.PROGRESS].tolist()),
             dropped=tuple(int(d) for d in summed[:, header.DROPPED].tolist()),
             discounted=tuple(int(d) / header.DISCOUNT_SCALE for d in summed[:, header.DISCOUNT].tolist()),
+            busy=tuple(int(b) / header.BUSY_SCALE for b in summed[:, header.BUSY].tolist()),
             stop=bool(summed[:, header.STOP].any()),
             contributions=int(sum(counts)),
             divisor=outcome.divisor,
@@ -312,6 +314,10 @@ class RoundRunner(EngineGroups):
             d.weight = weights.weight(r - d.step)
             withheld += 1.0 - d.weight
         return withheld
+
+    def _busy(self, deposits: list[Deposit]) -> float:
+        """Header column: seconds of the caller's work behind ``deposits`` (0.0: not measured; DelayedAllreduce's)."""
+        return 0.0
 
     def _describe_contribution(self, deposits: list[Deposit]) -> tuple[int, int, int]:
         """Header columns of this rank's contribution: (count, newest step, oldest step); steps -1 if none."""

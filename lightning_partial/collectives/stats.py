@@ -34,6 +34,11 @@ class RoundStats:
             (``PartialAllreduceConfig.staleness``) withheld from this round:
             ``sum(1 - weight)`` over its contributions (0.0 each under rule ``"none"``;
             empty where the engine does not weigh).
+        busy: per rank, the seconds its caller worked on what it contributed, outside
+            the engine's waits (:class:`~lightning_partial.collectives.delayed.DelayedAllreduce`:
+            from each deposit's return to the next deposit, summed over the micro-batches
+            in the round; to the microsecond). 0.0 where the engine does not measure it;
+            empty for results restored from a checkpoint.
         contributions: total gradients summed in the round.
         divisor: what the sum was divided by (1 for ``normalize="sum"``).
         wait_time: seconds this rank's caller was blocked in ``arrive``/``flush``.
@@ -67,6 +72,7 @@ class RoundStats:
     progress: tuple[int, ...]
     dropped: tuple[int, ...]
     discounted: tuple[float, ...] = ()
+    busy: tuple[float, ...] = ()
     contributions: int
     divisor: float
     wait_time: float = 0.0

@@ -49,6 +49,18 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   strategy's collective group: never per step) and wait for it; at the end of fit a final
   synchronous round sums everything still pending, and every result not yet
   applied is applied: the replicas end bit-identical.
+* **The delay** (``delay``). ``1``: the paper's rounds, each result applied
+  one round late, as above. ``0``: every round synchronous from the first (the
+  engine's ``sync_from=0``): every rank's every micro-batch joins the next round,
+  which waits for the slowest, and its result is applied at once: fresh gradients,
+  no staleness rule, and ``trigger``, ``target_samples``, ``interval`` and
+  ``final_sync`` have nothing left to do. The ranks still contribute different
+  samples (with :class:`~lightning_partial.callbacks.AdaptiveBatchSize`, micro-batches
+  sized to each rank's measured speed, so that they finish together); what a
+  round costs beyond the slowest micro-batch is its allreduce, no longer hidden
+  behind the next micro-batches. ``"auto"`` (default): ``0`` when every optimizer
+  is Adam-like (``betas``), ``1`` otherwise. Under AdamW no update rule made a
+  result one round late as good as a fresh one (docs/staleness.md).
 * **The synchronous finish** (``final_sync=f``, default 0.05). The last ``f``
   of the fit's global samples (``max_epochs``) or rounds (``max_steps``;
   whichever starts first when both are set) run as synchronous rounds: every
@@ -105,6 +117,8 @@ log = logging.getLogger(__name__)
 
 #: ``reference_samples``' default: the global batch of a synchronous step (resolved at the start of fit).
 GLOBAL_BATCH = "global_batch"
+#: ``delay``'s values: the rounds a result waits, or ``"auto"`` (0 under Adam-like optimizers, else 1).
+DELAYS: tuple[Union[int, str], ...] = (0, 1, "auto")
 
 
 @dataclass
@@ -213,6 +227,14 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             (see the module docstring): of the global samples ``max_epochs`` make, or
             of ``max_steps`` rounds. ``0.05`` (default); ``0``: the paper's rounds to
             the end. In ``[0, 1)``. A fit with neither bound runs without it (a warning).
+            Nothing to do with ``delay=0``.
+        delay: the rounds a result waits before it is applied: ``1`` (the paper's
+            one-round delay), ``0`` (synchronous rounds throughout, results applied at
+            once; pair it with ``AdaptiveBatchSize`` under heterogeneous ranks, or the
+            slowest rank's micro-batch paces every round), or ``"auto"`` (default):
+            ``0`` when every optimizer is Adam-like (``torch.optim.Adam``, ``AdamW``
+            and others with ``betas``), ``1`` otherwise. Measured in
+            docs/staleness.md (abs_sgd without the delay).
         shuffle, seed: the elastic sampler's shuffling (as ``DistributedSampler``'s).
         timeout, collective_timeout, process_group_backend, start_method: as for every strategy here.
     """
@@ -233,6 +255,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         staleness_rule: str = "auto",
         weight_prediction: bool = True,
         final_sync: float = 0.05,
+        delay: Union[int, str] = "auto",
         shuffle: bool = True,
         seed: int = 0,
         **kwargs: Unpack[StrategyOptions],
@@ -265,6 +288,10 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self.staleness_rule = compensation.check_rule(staleness_rule, owner=self.strategy_name)
         self._set_weight_prediction(weight_prediction)
         self._set_final_sync(final_sync)
+        if not ((type(delay) is int and delay in DELAYS) or delay == "auto"):
+            raise ValueError(f"abs_sgd: delay must be 0, 1 or 'auto', got {delay!r}")
+        self.delay = delay
+        self._delay: Optional[int] = None  # resolved at set-up (from the optimizers under "auto")
         self.sampler: Optional[ElasticBatchSampler] = None
         self._epoch_samples: Optional[int] = None
         self._batch_samples = 0
@@ -292,6 +319,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         check_validation_schedule(trainer)
         self._staleness = compensation.resolve_all(self.staleness_rule, self.optimizers, owner=self.strategy_name,
                                                    spike=True)
+        self._delay = self._resolve_delay(trainer)
         self._step_checkpoints = []
         for cb in trainer.checkpoint_callbacks:
             if isinstance(cb, ModelCheckpoint) and cb._train_time_interval:
@@ -399,10 +427,31 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             max_epochs=max_epochs,
             max_rounds=max_rounds,
             name=f"abs_sgd-{index}",
-            **self._finish_thresholds(max_epochs, max_rounds),
+            **({"sync_from": 0} if self._delay == 0 else self._finish_thresholds(max_epochs, max_rounds)),
         )
         return DelayedAllreduce(config, store=store, rank=self.global_rank, world_size=self.world_size,
                                 like=[p.detach() for p in params])
+
+    def _resolve_delay(self, trainer: "pl.Trainer") -> int:
+        """``delay`` for this fit: ``"auto"`` is 0 when every optimizer is Adam-like (set-up, main thread)."""
+        if self.delay == "auto":
+            adam_like = bool(self.optimizers) and all(
+                all("betas" in group for group in opt.param_groups) for opt in self.optimizers
+            )
+            delay = 0 if adam_like else 1
+        else:
+            delay = int(self.delay)
+        if delay == 0:
+            from lightning_partial.callbacks.adaptive_batch_size import AdaptiveBatchSize
+
+            if (self.world_size > 1 and self.global_rank == 0
+                    and not any(isinstance(cb, AdaptiveBatchSize) for cb in trainer.callbacks)):
+                log.warning(
+                    "abs_sgd: delay=0 (synchronous rounds%s): every rank's micro-batch joins every round, so the "
+                    "slowest rank paces them; add lightning_partial.callbacks.AdaptiveBatchSize to size each "
+                    "rank's micro-batch to its speed", " under an Adam-like optimizer" if self.delay == "auto" else "",
+                )
+        return delay
 
     def _finish_thresholds(self, max_epochs: Optional[int], max_rounds: Optional[int]) -> dict[str, Optional[int]]:
         """The engine's ``sync_from_samples`` and ``sync_from`` for ``final_sync`` (empty when it is off)."""
@@ -445,9 +494,10 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
 
     @override
     def update_rule(self) -> dict[str, Any]:
-        """The base class's, ``step_samples`` as configured (``"global_batch"``, an integer, or ``None``) and
-        ``step_boundary``."""
-        return {**super().update_rule(), "step_samples": self.step_samples, "step_boundary": self.step_boundary}
+        """The base class's, ``step_samples`` as configured (``"global_batch"``, an integer, or ``None``),
+        ``step_boundary`` and ``delay`` (resolved: 0 or 1; as configured before set-up)."""
+        return {**super().update_rule(), "step_samples": self.step_samples, "step_boundary": self.step_boundary,
+                "delay": self.delay if self._delay is None else self._delay}
 
     # ------------------------------------------------------------- training
     @override

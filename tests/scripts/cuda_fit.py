@@ -6,7 +6,7 @@ Cases (``--cases``, comma-separated, run in this order):
   (``32-true`` / ``bf16-mixed``) from the same initial weights on the same batches;
   records whether the final weights are bit-identical.
 * ``majority``: ``strategy="eager_sgd_majority"`` at world size 1; records what it raised.
-* ``abs_adamw``: 20 rounds of ``strategy="abs_sgd"`` with AdamW at world size 1 (every
+* ``abs_adamw``: 20 rounds of ``ABSSGDStrategy(delay=1)`` (the paper's delay) with AdamW at world size 1 (every
   result a round late, so every step but the first is re-timed through Adam's moments:
   ``compensation.retime_adam``) in ``32-true`` and ``bf16-mixed``; records the update
   rule, the device of every re-timed parameter, gradient and moment, and the
@@ -221,7 +221,7 @@ def run_cases(args: argparse.Namespace) -> None:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(free_port())
 
-    def fit(model: Any, strategy: str, precision: str, **kwargs: Any) -> Any:
+    def fit(model: Any, strategy: Any, precision: str, **kwargs: Any) -> Any:
         fresh_rendezvous()
         options = dict(max_steps=20, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
@@ -318,7 +318,8 @@ def run_cases(args: argparse.Namespace) -> None:
                 initial = weights(model)
                 before = train_loss(model)
                 first = len(retimed)
-                trainer = fit(model, "abs_sgd", precision, use_distributed_sampler=True)
+                # The paper's delay: "auto" runs AdamW's rounds synchronously, which leaves nothing to re-time.
+                trainer = fit(model, lightning_partial.ABSSGDStrategy(delay=1), precision, use_distributed_sampler=True)
                 dist.destroy_process_group()  # each fit its own group
                 final = weights(model)
                 runs[precision] = {
