@@ -136,6 +136,8 @@ def test_adamw_runs_synchronous_rounds_sized_by_each_ranks_measured_speed(tmp_pa
     records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "1", "--optimizer", "adamw", "--adaptive")
     assert_identical(out)
     assert all(r["update_rule"]["delay"] == 0 for r in records), records[0]["update_rule"]
+    # What is in force: every round synchronous, nothing late for a staleness rule to act on.
+    assert all((r["update_rule"]["final_sync"], r["update_rule"]["staleness_rule"]) == (1.0, "none") for r in records)
     for record in records:
         lags = {int(k): n for k, n in record["step_lags"].items()}
         assert set(lags) == {0} and lags[0] == sum(record["epoch_samples"]), (lags, record["epoch_samples"])
@@ -191,14 +193,16 @@ def test_resume_from_an_epoch_end_checkpoint(tmp_path, final_sync, resume_delay)
 
 
 @pytest.mark.timeout(300)
-def test_sigterm_to_one_rank_stops_every_rank_at_the_same_round(tmp_path):
+@pytest.mark.parametrize("delay", [1, 0])
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_round(tmp_path, delay):
     """SIGTERM to one rank: the stop rides in the next round's header; no round follows it, so every rank is
     handed it at its next micro-batch (not one round later), applies every round up to it, and raises
-    SIGTERMException at its next batch start after the same optimizer steps; replicas end bit-identical."""
+    SIGTERMException at its next batch start after the same optimizer steps; replicas end bit-identical. The
+    same in synchronous rounds (``delay=0``), where every rank waits in each round for the others."""
     import signal
 
     out = tmp_path / "run"
-    proc = start_fit(out, "--strategy", "abs_sgd")
+    proc = start_fit(out, "--strategy", "abs_sgd", "--strategy-kw", json.dumps({"delay": delay}))
     stderr = signal_rank_when_running(proc, out, 2, signal.SIGTERM)
     assert proc.returncode == 0, stderr[-3000:]
     steps = {r: int((out / f"stopped{r}").read_text()) for r in range(4)}
@@ -261,9 +265,10 @@ def test_spike_compensation_spares_the_first_step_and_retimes_every_later_one(tm
     final = [p.detach().clone() for p in model.parameters()]
     # A step per round (one rank: its micro-batch is the global batch), and the final round's: without the
     # finish it applies the micro-batch that came after round 9; with it, every micro-batch was applied on time.
-    assert len(seen) == (10 if final_sync else 11)
+    assert len(seen) == (10 if delay == 0 or final_sync else 11)
     fresh = set(range(1, 10)) if delay == 0 else {8, 9} if final_sync else set()
     assert strategy.update_rule()["delay"] == delay
+    assert strategy.update_rule()["final_sync"] == (1.0 if delay == 0 else final_sync)
     if delay == 0:
         assert strategy.step_lags.histogram(0) == {0: 8 * 10}
         assert strategy.round_stats[0].flush and strategy.round_stats[0].contributions == 0
@@ -416,7 +421,8 @@ def test_time_triggered_checkpoints_are_refused(tmp_path):
 @pytest.mark.timeout(300)
 def test_step_checkpoints_are_consistent_cuts_that_resume(tmp_path):
     """ModelCheckpoint(every_n_train_steps=5) under speeds 1, 1, 0.5, 0.25: one save per multiple on every
-    rank (a batch may apply two rounds), each a consistent cut; a fit resumed from one ends like the first."""
+    rank (a batch may apply two rounds), each a consistent cut; a fit resumed from one ends like the first.
+    (Saves inside synchronous rounds: test_resume_from_an_epoch_end_checkpoint[final_sync].)"""
     first = tmp_path / "first"
     records = run_fit(first, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--checkpoint-every", "5")
     assert_identical(first)

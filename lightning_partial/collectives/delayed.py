@@ -52,7 +52,8 @@ here (**Decisions**; the semantics in docs/algorithms.md, abs_sgd):
   last asynchronous round was applied (one round late, as before); from the
   next round on every gradient is fresh (:attr:`DelayedAllreduce.fresh_from`),
   and the ranks run in lock-step, the slowest pacing: DDP's rounds, summed by
-  samples.
+  samples. With ``sync_from=0`` (``abs_sgd``'s ``delay=0``) no asynchronous
+  round comes first: every round is fresh from round 0.
 
 Threads and collectives: the caller's thread calls :meth:`deposit` after each
 micro-batch and applies what it returns; it issues no collective (it only

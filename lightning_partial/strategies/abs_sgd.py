@@ -289,7 +289,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self._set_weight_prediction(weight_prediction)
         self._set_final_sync(final_sync)
         if not ((type(delay) is int and delay in DELAYS) or delay == "auto"):
-            raise ValueError(f"abs_sgd: delay must be 0, 1 or 'auto', got {delay!r}")
+            raise ValueError(f"{self.strategy_name}: delay must be 0, 1 or 'auto', got {delay!r}")
         self.delay = delay
         self._delay: Optional[int] = None  # resolved at set-up (from the optimizers under "auto")
         self.sampler: Optional[ElasticBatchSampler] = None
@@ -495,9 +495,16 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     @override
     def update_rule(self) -> dict[str, Any]:
         """The base class's, ``step_samples`` as configured (``"global_batch"``, an integer, or ``None``),
-        ``step_boundary`` and ``delay`` (resolved: 0 or 1; as configured before set-up)."""
-        return {**super().update_rule(), "step_samples": self.step_samples, "step_boundary": self.step_boundary,
+        ``step_boundary`` and ``delay`` (resolved: 0 or 1; as configured before set-up). With ``delay=0``
+        what is in force: ``final_sync`` 1.0 (every round synchronous) and ``staleness_rule`` ``"none"``
+        (nothing is late)."""
+        rule = {**super().update_rule(), "step_samples": self.step_samples, "step_boundary": self.step_boundary,
                 "delay": self.delay if self._delay is None else self._delay}
+        if self._delay == 0:
+            rule["final_sync"] = 1.0
+            if "staleness_rule" in rule:
+                rule["staleness_rule"] = "none"
+        return rule
 
     # ------------------------------------------------------------- training
     @override
