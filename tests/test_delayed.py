@@ -232,6 +232,33 @@ def test_synchronous_from_the_first_round_hands_every_result_at_once_and_measure
         assert all(busy[k][0][rank] >= delays_ms[rank] / 1000 for rank in range(P)), (k, busy[k][0])
 
 
+def test_busy_seconds_leave_out_the_time_paused():
+    """One rank, synchronous rounds: a micro-batch's busy seconds run from the previous deposit's return, or from
+    ``resume()`` when the caller paused in between (a checkpoint's agreement and save are not its work)."""
+    config = DelayedConfig(target_samples=1, max_rounds=4, sync_from=0, timeout=timedelta(seconds=30), name="busy")
+
+    def fn(rank: int, store: dist.Store) -> list[float]:
+        engine = DelayedAllreduce(config, store=store, rank=rank, world_size=1,
+                                  like=[torch.zeros(3, dtype=torch.float64)]).start()
+        busy = []
+        try:
+            for k in range(4):
+                if k == 2:  # a save between two deposits: paused for a second
+                    engine.pause()
+                    time.sleep(1.0)
+                    engine.resume()
+                time.sleep(0.02)
+                busy += [r.stats.busy[0] for r in engine.deposit([grad_of(rank, k)], samples=1)]
+            return busy
+        finally:
+            engine.close()
+
+    busy = run_threads(1, fn)[0]
+    assert len(busy) == 4 and busy[0] == 0.0  # nothing measured before the first deposit
+    assert all(b >= 0.02 for b in busy[1:]), busy
+    assert busy[2] < 1.0, busy  # the pause is not counted
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

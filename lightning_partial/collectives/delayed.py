@@ -361,7 +361,13 @@ class DelayedAllreduce(PartialAllreduce):
                 self._paused = True
 
     def resume(self) -> None:
-        """Lifts :meth:`pause`; a request made meanwhile takes effect now."""
+        """Lifts :meth:`pause`; a request made meanwhile takes effect now (caller's thread).
+
+        The next micro-batch's work is counted from here: what the caller did while
+        paused (agreeing on a round, saving a checkpoint) is not a micro-batch's work.
+        """
+        if self._returned_at is not None:
+            self._returned_at = time.monotonic()
         wake: Optional[int] = None
         with self._activation_lock:
             with self._cond:

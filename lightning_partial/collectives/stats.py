@@ -38,9 +38,9 @@ class RoundStats:
             the engine's waits (:class:`~lightning_partial.collectives.delayed.DelayedAllreduce`:
             from each deposit's return to the next deposit, summed over the micro-batches
             in the round; to the microsecond): everything the caller did in between, its
-            optimizer step, and a validation or a checkpoint's agreement when one came
-            between. 0.0 where the engine does not measure it; empty for results restored
-            from a checkpoint.
+            optimizer step, and a validation when one came between; not the time paused
+            (a checkpoint's agreement and save: counted from ``resume``). 0.0 where the
+            engine does not measure it; empty for results restored from a checkpoint.
         contributions: total gradients summed in the round.
         divisor: what the sum was divided by (1 for ``normalize="sum"``).
         wait_time: seconds this rank's caller was blocked in ``arrive``/``flush``.
