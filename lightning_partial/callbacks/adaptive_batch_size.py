@@ -98,7 +98,8 @@ class AdaptiveBatchSize(Callback):
         self._counts.append((stats.counts, stats.busy, stats.synchronous))
         if len(self._counts) < self.window or (stats.round_index + 1) % self.window:
             return
-        shares = self._shares(len(stats.counts))
+        samples = [sum(c[0][i] for c in self._counts) for i in range(len(stats.counts))]
+        shares = self._shares(samples)
         top = max(shares)
         if top <= 0:
             return
@@ -108,16 +109,17 @@ class AdaptiveBatchSize(Callback):
         self.sizes = sizes
         self.history.append((stats.round_index, sizes))
         self._sampler.batch_size = sizes[self._rank]
-        per_round = [sum(c[0][i] for c in self._counts) / len(self._counts) for i in range(len(shares))]
+        per_round = [n / len(self._counts) for n in samples]
         self._pending_log = {
             "abs/batch_size": float(sizes[self._rank]),
             **{f"abs/batch_size_rank{i}": float(b) for i, b in enumerate(sizes)},
             **{f"abs/samples_per_round_rank{i}": float(x) for i, x in enumerate(per_round)},
         }
 
-    def _shares(self, world_size: int) -> list[float]:
-        """Each rank's speed over the window: samples per round, or samples per busy second (synchronous rounds)."""
-        samples = [sum(c[0][i] for c in self._counts) for i in range(world_size)]
+    def _shares(self, samples: list[int]) -> list[float]:
+        """Each rank's speed over the window, from its ``samples`` there: samples per round, or samples per
+        busy second when every round of the window was synchronous."""
+        world_size = len(samples)
         if all(c[2] and len(c[1]) == world_size for c in self._counts):
             busy = [sum(c[1][i] for c in self._counts) for i in range(world_size)]
             if all(b > 0 for b in busy):

@@ -435,9 +435,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     def _resolve_delay(self, trainer: "pl.Trainer") -> int:
         """``delay`` for this fit: ``"auto"`` is 0 when every optimizer is Adam-like (set-up, main thread)."""
         if self.delay == "auto":
-            adam_like = bool(self.optimizers) and all(
-                all("betas" in group for group in opt.param_groups) for opt in self.optimizers
-            )
+            adam_like = bool(self.optimizers) and all(compensation.is_adam_like(opt) for opt in self.optimizers)
             delay = 0 if adam_like else 1
         else:
             delay = int(self.delay)

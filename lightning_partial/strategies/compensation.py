@@ -69,6 +69,11 @@ def has_momentum(optimizer: Optimizer) -> bool:
     return any(_group_coefficients(group)[1] > 0 for group in optimizer.param_groups)
 
 
+def is_adam_like(optimizer: Optimizer) -> bool:
+    """Whether every parameter group is Adam-like (``betas``, as :func:`optimizer_momentum`'s ``"adam"``)."""
+    return all(_group_coefficients(group)[0] == "adam" for group in optimizer.param_groups)
+
+
 def optimizer_momentum(optimizer: Optimizer) -> tuple[str, float, float]:
     """``(kind, mu, dampening)`` of ``optimizer``: kind ``"sgd"``, ``"adam"``, ``"other"`` or ``"none"``.
 
