@@ -24,9 +24,54 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device  # noqa: 
 from lightning.fabric.utilities.seed import reset_seed  # noqa: F401
 from lightning.pytorch.overrides.distributed import _sync_module_states  # noqa: F401
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher  # noqa: F401
+from lightning.pytorch.trainer.call import _interrupt
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.fabric.utilities.apply_func import move_data_to_device
 
 log = logging.getLogger(__name__)
+
+
+class StopAwareMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's multiprocessing launcher (``start_method`` ``"spawn"`` or ``"fork"``) for fits that SIGTERM can stop.
+
+    Under Lightning's own launcher a rank that raises ``SIGTERMException`` (a
+    ``SystemExit``) leaves its process with status 0 without handing rank 0's
+    results to the parent, which then waits for them forever in
+    ``return_queue.get()`` (Lightning 2.6: ``ddp_fork`` hangs the same way). Here
+    every rank handles the stop as it does under the script launcher, through
+    Lightning's ``_interrupt`` (the callbacks' ``on_exception``: an
+    ``OnExceptionCheckpoint`` saves from the ranks, which hold the optimizer and
+    engine state; the strategy's; the loggers' ``finalize("failed")``) and
+    teardown, and rank 0 then hands its results over as at the end of a fit. The
+    parent's ``trainer.fit`` returns with rank 0's weights loaded and
+    ``trainer.interrupted`` true. It does not raise: that would run every
+    callback's ``on_exception`` a second time, in a process without the ranks'
+    state (an ``OnExceptionCheckpoint`` there would overwrite rank 0's checkpoint).
+
+    Any other ``SystemExit`` inside a rank's fit becomes a ``RuntimeError`` naming
+    the rank, which torch's process context reports to the parent (status 0 with
+    no results would hang it the same way).
+    """
+
+    def _wrapping_function(self, process_idx: int, trainer: Any, function: Callable, args: Any, kwargs: Any,
+                           return_queue: Any, global_states: Any = None) -> None:
+        try:
+            super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
+        except SIGTERMException as stop:
+            if trainer is None:
+                raise
+            # What _call_and_handle_interrupt does in a script-launched rank, then the end of a fit's hand-over.
+            _interrupt(trainer, stop)
+            trainer._teardown()
+            trainer.state.stage = None
+            results = self._collect_rank_zero_results(trainer, None)
+            if process_idx == 0:
+                return_queue.put(move_data_to_device(results, "cpu"))
+            log.info("rank %d: stopped by SIGTERM at global step %d; results handed to the launching process",
+                     trainer.global_rank, trainer.global_step)
+        except SystemExit as exit_:
+            raise RuntimeError(f"rank {process_idx} raised SystemExit({exit_.code!r}) inside the fit; the "
+                               "launching process would otherwise wait for results that never come") from exit_
 
 
 def replace_sigterm_broadcast(trainer: object, stop_requested: Callable[[], bool]) -> bool:

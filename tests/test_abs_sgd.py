@@ -18,7 +18,8 @@ from lightning_partial.strategies.accumulation import ACCUMULATED_KEY
 from lightning_partial.strategies.prediction import LAST_UPDATE_KEY
 from lightning_partial.strategies.step_lag import StepLag
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY
-from tests.test_eager_sgd import FIT_ENV, assert_identical, fit_command, signal_rank_when_running, start_fit
+from tests.test_eager_sgd import (FIT_ENV, assert_identical, assert_stopped_alike, fit_command,
+                                  signal_rank_when_running, start_fit)
 
 
 def test_registry_names():
@@ -150,10 +151,27 @@ def test_adamw_runs_synchronous_rounds_sized_by_each_ranks_measured_speed(tmp_pa
     assert first[0] > first[3] and first[1] > first[3], first
 
 
+@pytest.fixture(scope="module")
+def epoch_end_checkpoint(tmp_path_factory):
+    """``first(final_sync)``: the directory of a 2-epoch fit that saved ``mid.ckpt`` at its first epoch's end, one
+    fit per ``final_sync`` (the cases resumed with and without the delay share the default's)."""
+    made: dict[float | None, Path] = {}
+
+    def first(final_sync: float | None) -> Path:
+        if final_sync not in made:
+            out = tmp_path_factory.mktemp("first")
+            kw = ["--strategy-kw", json.dumps({"final_sync": final_sync})] if final_sync is not None else []
+            run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--save-epoch", "0", *kw)
+            made[final_sync] = out
+        return made[final_sync]
+
+    return first
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("final_sync, resume_delay", [(None, None), (0.7, None), (None, 0)],
                          ids=["default", "final_sync", "resumed_without_the_delay"])
-def test_resume_from_an_epoch_end_checkpoint(tmp_path, final_sync, resume_delay):
+def test_resume_from_an_epoch_end_checkpoint(tmp_path, epoch_end_checkpoint, final_sync, resume_delay):
     """The checkpoint (taken with nothing in flight) carries the rounds, the global samples, the pending
     gradient sums and the unapplied result; the resumed fit ends its epochs and its replicas like the first.
     At the default the synchronous finish starts after the checkpoint (the resumed fit reaches it from the
@@ -161,8 +179,7 @@ def test_resume_from_an_epoch_end_checkpoint(tmp_path, final_sync, resume_delay)
     Resumed with ``delay=0`` from the delayed fit's checkpoint (an unapplied result and pending sums): the
     resumed fit runs synchronous rounds, its replicas end bit-identical and each of its samples is applied once."""
     kw = ["--strategy-kw", json.dumps({"final_sync": final_sync})] if final_sync is not None else []
-    first = tmp_path / "first"
-    run_fit(first, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--save-epoch", "0", *kw)
+    first = epoch_end_checkpoint(final_sync)
     checkpoint = torch.load(first / "mid.ckpt", weights_only=False)
     entry = checkpoint[CHECKPOINT_KEY]
     accumulated = checkpoint[ACCUMULATED_KEY][0]  # the rounds added since the last step, and the steps taken
@@ -202,11 +219,11 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_round(tmp_path, delay)
     import signal
 
     out = tmp_path / "run"
-    proc = start_fit(out, "--strategy", "abs_sgd", "--strategy-kw", json.dumps({"delay": delay}))
+    proc = start_fit(out, "--strategy", "abs_sgd", "--strategy-kw", json.dumps({"delay": delay}), launch="fork")
     stderr = signal_rank_when_running(proc, out, 2, signal.SIGTERM)
     assert proc.returncode == 0, stderr[-3000:]
-    steps = {r: int((out / f"stopped{r}").read_text()) for r in range(4)}
-    assert len(set(steps.values())) == 1 and steps[0] > 0, steps
+    assert_stopped_alike(out, "fork")
+    assert int((out / "stopped0").read_text()) > 0
     assert_identical(out)
 
 

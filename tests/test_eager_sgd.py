@@ -108,10 +108,10 @@ def test_sync_mode_reaches_the_same_weights_as_ddp(tmp_path):
         torch.testing.assert_close(ours[key], value, rtol=0, atol=1e-6)
 
 
-def start_fit(out: Path, *extra: str) -> subprocess.Popen:
-    """A long fit (one 5 ms straggler per step) that a test then signals."""
+def start_fit(out: Path, *extra: str, launch: str = "popen") -> subprocess.Popen:
+    """A long fit (one 5 ms straggler per step) that a test then signals (``launch``: see :func:`fit_command`)."""
     return subprocess.Popen(
-        fit_command(out, "--steps", "100000", "--straggle-ms", "5", *extra),
+        fit_command(out, "--steps", "100000", "--straggle-ms", "5", *extra, launch=launch),
         env=FIT_ENV,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -136,18 +136,28 @@ def signal_rank_when_running(proc: subprocess.Popen, out: Path, rank: int, signu
             proc.kill()
 
 
+def assert_stopped_alike(out: Path, launch: str) -> None:
+    """Every rank stopped by SIGTERM at the same step; under ``fork`` the launching process's ``fit``
+    returned with ``trainer.interrupted`` (the script launcher's rank 0 is a rank: its ``fit`` raised)."""
+    steps = {r: int((out / f"stopped{r}").read_text()) for r in range(4)}
+    assert len(set(steps.values())) == 1, steps
+    if launch == "fork":
+        assert json.loads((out / "parent.json").read_text()) == {"interrupted": True}
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("victim", [2, 0])
-def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, victim):
-    """SIGTERM to one rank mid-fit: every rank raises SIGTERMException at the same step, replicas equal."""
+@pytest.mark.parametrize("victim, launch", [(2, "popen"), (0, "fork")])
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, victim, launch):
+    """SIGTERM to one rank mid-fit: every rank raises SIGTERMException at the same step, replicas equal. Under the
+    script launcher and under the multiprocessing launcher (where Lightning's own would wait forever for
+    rank 0's results: ``_compat.StopAwareMultiProcessingLauncher``)."""
     import signal
 
     out = tmp_path / "run"
-    proc = start_fit(out)
+    proc = start_fit(out, launch=launch)
     stderr = signal_rank_when_running(proc, out, victim, signal.SIGTERM)
     assert proc.returncode == 0, stderr[-3000:]
-    steps = {r: int((out / f"stopped{r}").read_text()) for r in range(4)}
-    assert len(set(steps.values())) == 1, steps
+    assert_stopped_alike(out, launch)
     assert_identical(out)
 
 
@@ -158,11 +168,10 @@ def test_sigterm_with_overlap_stops_every_rank_at_the_same_step(tmp_path):
     import signal
 
     out = tmp_path / "run"
-    proc = start_fit(out, "--strategy-kw", '{"overlap": true}')
+    proc = start_fit(out, "--strategy-kw", '{"overlap": true}', launch="fork")
     stderr = signal_rank_when_running(proc, out, 1, signal.SIGTERM)
     assert proc.returncode == 0, stderr[-3000:]
-    steps = {r: int((out / f"stopped{r}").read_text()) for r in range(4)}
-    assert len(set(steps.values())) == 1, steps
+    assert_stopped_alike(out, "fork")
     assert_identical(out)
 
 
@@ -177,8 +186,9 @@ def test_sigterm_in_the_last_step_ends_the_fit_with_identical_replicas(tmp_path,
     averaged, as at every end of fit, and so are model averaging's parameters (its final global average,
     over the collective group): every rank ends with the same parameters and buffers."""
     states = fit(tmp_path, strategy, "--steps", "12", "--sigterm-at", "11:1", "--straggle-ms", "5",
-                 "--batchnorm", "--strategy-kw", json.dumps(kw), launch="popen")
+                 "--batchnorm", "--strategy-kw", json.dumps(kw))
     assert not list((tmp_path / strategy).glob("stopped*")), "the fit raised SIGTERMException"
+    assert json.loads((tmp_path / strategy / "parent.json").read_text()) == {"interrupted": False}
     for other in states[1:]:
         for key, value in states[0].items():
             assert torch.equal(value, other[key]), key
@@ -198,6 +208,21 @@ def test_killed_rank_ends_the_fit_with_a_clear_error(tmp_path):
     assert ("[partial allreduce, rank" in stderr and "round" in stderr) or "terminated with code -9" in stderr, (
         stderr[-3000:]
     )
+
+
+@pytest.mark.timeout(300)
+def test_sys_exit_in_a_forked_rank_ends_the_fit_with_a_clear_error(tmp_path):
+    """A rank whose code calls ``sys.exit(0)`` mid-fit under the multiprocessing launcher: the launching process
+    raises, naming the rank, instead of waiting forever for rank 0's results (Lightning's own launcher does);
+    the other ranks end too (no hang)."""
+    out = tmp_path / "run"
+    # collective_timeout: the survivors, waiting for rank 2 in a round, end at the liveness bound rather than
+    # after the 30 s torch gives them between its SIGTERM and its SIGKILL.
+    command = fit_command(out, "--steps", "100000", "--exit-at", "3:2", "--strategy-kw", '{"collective_timeout": 3}',
+                          launch="fork")
+    proc = subprocess.run(command, env=FIT_ENV, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert "rank 2 raised SystemExit(0) inside the fit" in proc.stderr, proc.stderr[-3000:]
 
 
 def fit_identical(out: Path, *options: str, launch: str = "fork") -> list[dict]:

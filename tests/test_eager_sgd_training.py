@@ -181,7 +181,7 @@ def test_overlap_resume_applies_the_round_in_flight_at_the_save(tmp_path):
     # Without overlap the held result would be lost: refused, until dropped explicitly.
     refused = subprocess.run(
         [sys.executable, "-m", SCRIPT, "--out", str(tmp_path / "refused"), "--strategy", "eager_sgd", "--steps", "10",
-         "--resume", str(tmp_path / "first" / "mid.ckpt")],
+         "--resume", str(tmp_path / "first" / "mid.ckpt"), "--launch", "fork"],
         env=ENV, capture_output=True, text=True, timeout=200,
     )
     assert refused.returncode != 0 and "saved with overlap=True" in refused.stdout + refused.stderr

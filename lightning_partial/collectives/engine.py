@@ -446,7 +446,8 @@ class PartialAllreduce(RoundRunner):
         """A :class:`~lightning_partial.collectives.liveness.Heartbeat` consulted when a collective times out.
 
         Before :meth:`start`. A collective that timed out then raises the heartbeat's
-        verdict naming the rank that stopped answering, if one comes within two beats.
+        verdict naming the rank that stopped answering, if one comes within two beats;
+        one that failed otherwise (a peer's process gone), a verdict already published.
         """
         self._liveness = liveness
 

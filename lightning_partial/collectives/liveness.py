@@ -116,6 +116,8 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._store_ok = True  # False once the store failed to answer: no more calls on it
         self._answered = 0.0  # when the store last answered the store thread
+        self._poke = threading.Event()  # wakes the store thread for a read now (wait_verdict(fresh=True))
+        self._read_through = 0.0  # when the latest read that found no verdict began
         self._threads: list[threading.Thread] = []
 
     @property
@@ -123,10 +125,22 @@ class Heartbeat:
         """The error of the verdict this rank has seen, or ``None``."""
         return self._verdict
 
-    def wait_verdict(self, seconds: float) -> Optional[PartialCollectiveError]:
-        """The verdict, waiting at most ``seconds`` for one (a collective just timed out: who is gone?)."""
-        deadline = time.monotonic() + seconds
+    def wait_verdict(self, seconds: float, *, fresh: bool = False) -> Optional[PartialCollectiveError]:
+        """The verdict, waiting at most ``seconds`` for one (a collective just failed: who is gone?).
+
+        ``fresh``: wakes the store thread for a read now and returns as soon as a
+        read begun after this call found no verdict. For a failure that no
+        verdict is coming for within ``seconds`` unless some rank published one
+        already (a peer's process is gone: its heartbeat has been silent for
+        moments, not ``timeout``); without it, a caller waits the full ``seconds``.
+        """
+        asked = time.monotonic()
+        if fresh:
+            self._poke.set()
+        deadline = asked + seconds
         while self._verdict is None and not self._stopped.is_set() and time.monotonic() < deadline:
+            if fresh and self._read_through >= asked:
+                break
             time.sleep(min(0.05, self.interval))
         return self._verdict
 
@@ -168,6 +182,7 @@ class Heartbeat:
         if client is not None and self._verdict is not None:
             self._wait_acknowledged(client, max(3 * self.interval, _ACK_WAIT_MIN_S))
         self._stopped.set()
+        self._poke.set()  # the store thread waits on it between beats
         threads, self._threads = self._threads, []
         for thread in threads:
             if thread is not threading.current_thread():
@@ -202,7 +217,7 @@ class Heartbeat:
         last_seen: Optional[bytes] = None
         last_change = time.monotonic()
         count = 0
-        while not self._stopped.wait(self.interval) and self._verdict is None:
+        while not self._pause() and self._verdict is None:
             count += 1
             now = time.monotonic()
             try:
@@ -216,6 +231,7 @@ class Heartbeat:
             if verdict:
                 self._declare(verdict.decode(), publish=False)
                 return
+            self._read_through = now
             if watched == self.rank or value == _DONE.encode():
                 continue
             if value != last_seen:
@@ -231,6 +247,12 @@ class Heartbeat:
                     publish=True,
                 )
                 return
+
+    def _pause(self) -> bool:
+        """The store thread's wait between beats: one interval, or less if poked; whether it was stopped."""
+        self._poke.wait(self.interval)
+        self._poke.clear()  # a poke that comes now is served by the read that follows
+        return self._stopped.is_set()
 
     def _watchdog(self) -> None:
         """No store calls: names a store that stopped answering, and ends a process stuck after a verdict.

@@ -251,12 +251,17 @@ class RoundRunner(EngineGroups):
 
         Any failure, not only a timeout: a survivor that read the verdict first and
         exited closes its connections, and the others' collectives then fail with
-        "connection closed" before they have read it.
+        "connection closed" before they have read it. A timeout waits up to two
+        beats, in which the heartbeat may name the rank that stopped. Any other
+        failure (a connection closed or reset: a peer's process is gone, its
+        heartbeat silent for moments) can only find a verdict some rank already
+        published: one fresh read of the store, not two beats (10 s at the default
+        ``collective_timeout``, per engine, before the error surfaced).
         """
         liveness = self._liveness
         if liveness is None or not isinstance(err, PartialCollectiveError) or isinstance(err, EngineClosedError):
             return err
-        verdict = liveness.wait_verdict(2 * liveness.interval)
+        verdict = liveness.wait_verdict(2 * liveness.interval, fresh=not isinstance(err, PartialCollectiveTimeout))
         if verdict is None:
             return err
         named = PartialCollectiveError(f"{verdict} (then: {err})", rank=self.rank, round_index=err.round_index)

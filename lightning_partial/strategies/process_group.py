@@ -167,7 +167,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         if self._start_method == "popen":
             self._launcher = _compat._SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _compat._MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _compat.StopAwareMultiProcessingLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:

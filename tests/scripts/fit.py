@@ -10,7 +10,8 @@ issued on the default group while the batches ran. ``--save-at N`` writes
 ``--batchnorm`` adds a BatchNorm layer (buffers each replica updates);
 ``--sleep-at BATCH:RANK:SECONDS`` makes one rank sleep inside one training step
 (alive, its threads running); ``--sigterm-at BATCH:RANK`` makes one rank send
-itself SIGTERM inside one training step. ``--strategy-kw`` takes timeouts in seconds.
+itself SIGTERM inside one training step, ``--exit-at BATCH:RANK`` call
+``sys.exit(0)`` there. ``--strategy-kw`` takes timeouts in seconds.
 
 Imbalance (``lightning_partial.callbacks.LoadImbalance``): ``--imbalance-ms``
 (alias ``--straggle-ms``) makes ``--stragglers`` ranks per batch, drawn with a
@@ -22,8 +23,10 @@ ranks persistently. Loggers: ``--csv DIR`` (CSVLogger), ``--wandb DIR``
 (``tests/scripts/launch.py``): they inherit this process's imports, seconds less
 per fit than Lightning's script launcher (``popen``, the default), which runs
 this file again for every other rank. ``callbacks<R>.json`` and ``rank<R>.pt``
-are then written by each rank at ``on_fit_end``; a fit that a signal ends, or
-one whose ranks build different loaders, needs ``popen``.
+(and ``stopped<R>``) are then written by each rank at ``on_fit_end``, or at
+``on_exception`` when SIGTERM stops the fit, and the launching process writes
+``<out>/parent.json`` (``trainer.interrupted`` after its ``fit`` returned). A fit
+whose ranks build different loaders needs ``popen``.
 """
 
 from __future__ import annotations
@@ -73,12 +76,15 @@ class Regressor(L.LightningModule):
         self.sync_dist = False
         self.sleep_at: tuple[int, int, float] | None = None  # (batch, rank, seconds)
         self.sigterm_at: tuple[int, int] | None = None  # (batch, rank)
+        self.exit_at: tuple[int, int] | None = None  # (batch, rank)
 
     def training_step(self, batch, batch_idx):
         if self.sleep_at is not None and (batch_idx, self.global_rank) == self.sleep_at[:2]:
             time.sleep(self.sleep_at[2])  # a slow step: alive, never to be declared dead
         if self.sigterm_at is not None and (batch_idx, self.global_rank) == self.sigterm_at:
             os.kill(os.getpid(), signal.SIGTERM)  # before this step's round is submitted
+        if self.exit_at is not None and (batch_idx, self.global_rank) == self.exit_at:
+            sys.exit(0)  # user code ending its process "successfully" mid-fit
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         if self.rank0_only is not None and self.global_rank == 0 and batch_idx % 2:
@@ -217,14 +223,15 @@ def main() -> None:
                         help="ModelCheckpoint(every_n_train_steps=N, save_top_k=-1, save_last=True) into <out>/ckpt")
     parser.add_argument("--sleep-at", default=None, help="BATCH:RANK:SECONDS: that rank sleeps in that step")
     parser.add_argument("--sigterm-at", default=None, help="BATCH:RANK: that rank sends itself SIGTERM in that step")
+    parser.add_argument("--exit-at", default=None, help="BATCH:RANK: that rank calls sys.exit(0) in that step")
     parser.add_argument("--rank-batch-sizes", default=None,
                         help="one loader batch size per rank, e.g. 16,16,8,8 (default: 16 on every rank)")
     add_launch_option(parser)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     fork = args.launch == "fork"
-    if fork and (args.sigterm_at or args.rank_batch_sizes):
-        parser.error("--launch fork: --sigterm-at and --rank-batch-sizes need --launch popen")
+    if fork and args.rank_batch_sizes:
+        parser.error("--launch fork: --rank-batch-sizes needs --launch popen")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # torch read the variable at import: size this process's pool too (forked ranks inherit it).
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -249,6 +256,9 @@ def main() -> None:
     if args.sigterm_at is not None:
         batch, rank = args.sigterm_at.split(":")
         model.sigterm_at = (int(batch), int(rank))
+    if args.exit_at is not None:
+        batch, rank = args.exit_at.split(":")
+        model.exit_at = (int(batch), int(rank))
     model.pid_dir = args.out / "pids"
     launch = {"start_method": "fork"} if fork else {}
     strategy: Any
@@ -283,6 +293,10 @@ def main() -> None:
                                       save_top_k=-1, save_last=True)
     callbacks = [c for c in (probe, imbalance, tracker, rotation, saver, adaptive, epochs, checkpoints)
                  if c is not None]
+
+    def write_stopped(trainer: L.Trainer) -> None:
+        # Every rank is expected to stop at the same step: the test compares the markers.
+        (args.out / f"stopped{trainer.global_rank}").write_text(str(trainer.global_step))
 
     def write_results(trainer: L.Trainer) -> None:
         """Every rank: its record, ``callbacks<R>.json``, and its final state, ``rank<R>.pt``."""
@@ -335,7 +349,7 @@ def main() -> None:
         release_default_group()
 
     if fork:
-        callbacks.append(AtFitEnd(write_results))  # last (see AtFitEnd)
+        callbacks.append(AtFitEnd(write_results, on_sigterm=write_stopped))  # last (see AtFitEnd)
     loggers: list[Logger] = []
     if args.csv is not None:
         loggers.append(CSVLogger(args.csv, name="fit", version=0))
@@ -364,9 +378,10 @@ def main() -> None:
     try:
         trainer.fit(model, loader, ckpt_path=args.resume)
     except SIGTERMException:
-        # Every rank is expected here at the same step: the test compares the markers.
-        (args.out / f"stopped{trainer.global_rank}").write_text(str(trainer.global_step))
-    if not fork:
+        write_stopped(trainer)
+    if fork:
+        (args.out / "parent.json").write_text(json.dumps({"interrupted": trainer.interrupted}))
+    else:
         write_results(trainer)
 
 

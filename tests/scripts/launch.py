@@ -14,11 +14,12 @@ Imports Lightning: ``exact.py`` imports this module only after installing its sp
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from typing import Callable, Optional
 
 import lightning as L
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 
 def add_launch_option(parser: argparse.ArgumentParser) -> None:
@@ -57,12 +58,21 @@ def release_default_group() -> None:
 
 class AtFitEnd(L.Callback):
     """Calls ``write(trainer)`` in every rank at the end of the fit (under ``--launch fork`` the code
-    after ``trainer.fit`` runs in the parent only). List it last: other callbacks' ``on_fit_end``
-    (a tracker counting the final flush round) come first, and no hook after it may use the
-    process group that ``write`` releases."""
+    after ``trainer.fit`` runs in the parent only), and also when SIGTERM stopped it, after
+    ``on_sigterm(trainer)`` (the strategies' launcher runs the ranks' ``on_exception`` then, as
+    the script launcher does). List it last: other callbacks' ``on_fit_end`` (a tracker counting
+    the final flush round) come first, and no hook after it may use the process group that
+    ``write`` releases."""
 
-    def __init__(self, write: Callable[[L.Trainer], None]) -> None:
+    def __init__(self, write: Callable[[L.Trainer], None],
+                 on_sigterm: Optional[Callable[[L.Trainer], None]] = None) -> None:
         self.write = write
+        self.on_sigterm = on_sigterm
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.write(trainer)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException) and self.on_sigterm is not None:
+            self.on_sigterm(trainer)
+            self.write(trainer)
