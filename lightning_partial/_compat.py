@@ -48,30 +48,37 @@ class StopAwareMultiProcessingLauncher(_MultiProcessingLauncher):
     callback's ``on_exception`` a second time, in a process without the ranks'
     state (an ``OnExceptionCheckpoint`` there would overwrite rank 0's checkpoint).
 
-    Any other ``SystemExit`` inside a rank's fit becomes a ``RuntimeError`` naming
-    the rank, which torch's process context reports to the parent (status 0 with
-    no results would hang it the same way).
+    Any other ``SystemExit`` inside a rank's fit, or in the stop's handling,
+    becomes a ``RuntimeError`` naming the rank, which torch's process context
+    reports to the parent (status 0 with no results would hang it the same way).
+
+    This runs in the ranks only: Lightning installs no SIGTERM handler in the
+    launching process, so a SIGTERM to the whole process group (SLURM, ``docker
+    stop``) ends that process outright, as under Lightning's own launcher.
     """
 
     def _wrapping_function(self, process_idx: int, trainer: Any, function: Callable, args: Any, kwargs: Any,
                            return_queue: Any, global_states: Any = None) -> None:
         try:
-            super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
-        except SIGTERMException as stop:
-            if trainer is None:
-                raise
-            # What _call_and_handle_interrupt does in a script-launched rank, then the end of a fit's hand-over.
-            _interrupt(trainer, stop)
-            trainer._teardown()
-            trainer.state.stage = None
-            results = self._collect_rank_zero_results(trainer, None)
-            if process_idx == 0:
-                return_queue.put(move_data_to_device(results, "cpu"))
-            log.info("rank %d: stopped by SIGTERM at global step %d; results handed to the launching process",
-                     trainer.global_rank, trainer.global_step)
+            try:
+                super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
+            except SIGTERMException as stop:
+                if trainer is None:
+                    raise
+                # What _call_and_handle_interrupt does in a script-launched rank, then the end of a fit's hand-over.
+                _interrupt(trainer, stop)
+                trainer._teardown()
+                trainer.state.stage = None
+                results = self._collect_rank_zero_results(trainer, None)
+                if process_idx == 0:
+                    return_queue.put(move_data_to_device(results, "cpu"))
+                log.info("rank %d: stopped by SIGTERM at global step %d; results handed to the launching process",
+                         trainer.global_rank, trainer.global_step)
         except SystemExit as exit_:
-            raise RuntimeError(f"rank {process_idx} raised SystemExit({exit_.code!r}) inside the fit; the "
-                               "launching process would otherwise wait for results that never come") from exit_
+            rank = trainer.global_rank if trainer is not None else process_idx
+            raise RuntimeError(f"rank {rank} (local process {process_idx}) raised SystemExit({exit_.code!r}) inside "
+                               "the fit; the launching process would otherwise wait for results that never come"
+                               ) from exit_
 
 
 def replace_sigterm_broadcast(trainer: object, stop_requested: Callable[[], bool]) -> bool:

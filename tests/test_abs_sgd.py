@@ -463,5 +463,6 @@ def test_the_global_batch_is_agreed_when_the_ranks_loaders_differ(tmp_path):
     """reference_samples="global_batch" with loader batch sizes 16, 16, 8, 8: every rank divides by the same
     sum (48), so the replicas end bit-identical."""
     out = tmp_path / "run"
-    run_fit(out, "--rank-batch-sizes", "16,16,8,8", "--max-epochs", "1", launch="popen")
+    records = run_fit(out, "--rank-batch-sizes", "16,16,8,8", "--max-epochs", "1")
+    assert [r["epoch_samples"][0] / r["epoch_batches"][0] for r in records] == [16, 16, 8, 8]  # each rank's loader
     assert_identical(out)

@@ -67,7 +67,7 @@ FIT_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 def fit_command(out: Path, *extra: str, launch: str = "popen") -> list[str]:
     """tests/scripts/fit.py's command; ``launch``: its ``--launch`` (``"fork"``: the ranks skip the imports;
-    ``"popen"``, the script launcher, for a fit that a signal ends)."""
+    ``"popen"``: the script launcher, what torchrun and SLURM users run, e.g. for a killed rank)."""
     return [sys.executable, "-m", SCRIPT, "--out", str(out), "--launch", launch, *extra]
 
 
@@ -146,7 +146,7 @@ def assert_stopped_alike(out: Path, launch: str) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("victim, launch", [(2, "popen"), (0, "fork")])
+@pytest.mark.parametrize("victim, launch", [(2, "popen"), (0, "popen"), (0, "fork")])
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, victim, launch):
     """SIGTERM to one rank mid-fit: every rank raises SIGTERMException at the same step, replicas equal. Under the
     script launcher and under the multiprocessing launcher (where Lightning's own would wait forever for
@@ -222,7 +222,7 @@ def test_sys_exit_in_a_forked_rank_ends_the_fit_with_a_clear_error(tmp_path):
                           launch="fork")
     proc = subprocess.run(command, env=FIT_ENV, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
-    assert "rank 2 raised SystemExit(0) inside the fit" in proc.stderr, proc.stderr[-3000:]
+    assert "rank 2 (local process 2) raised SystemExit(0) inside the fit" in proc.stderr, proc.stderr[-3000:]
 
 
 def fit_identical(out: Path, *options: str, launch: str = "fork") -> list[dict]:

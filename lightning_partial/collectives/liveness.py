@@ -20,7 +20,10 @@ Threads and store traffic (the contract):
 * Every ``interval`` the store thread writes its own key ``<rank>`` (``"<beat>:<round>"``) and
   reads two keys in one ``multi_get``: the key of the rank it watches, the next
   one on a ring (``(rank + 1) % P``), and the verdict key ``dead``. That is
-  ``2 P`` store calls per interval for the job, not ``P^2``.
+  ``2 P`` store calls per interval for the job, not ``P^2``. A collective that
+  failed other than by timeout pokes it for one beat and read at once
+  (:meth:`Heartbeat.wait_verdict` with ``fresh=True``): two store calls per
+  failed collective, on the failing rank.
 * A watcher that sees its neighbour's key unchanged for ``timeout`` writes the
   verdict (``compare_set``, so the first verdict stays) naming that rank and
   the round of its last heartbeat; every rank reads it within one interval and
@@ -129,10 +132,15 @@ class Heartbeat:
         """The verdict, waiting at most ``seconds`` for one (a collective just failed: who is gone?).
 
         ``fresh``: wakes the store thread for a read now and returns as soon as a
-        read begun after this call found no verdict. For a failure that no
-        verdict is coming for within ``seconds`` unless some rank published one
-        already (a peer's process is gone: its heartbeat has been silent for
-        moments, not ``timeout``); without it, a caller waits the full ``seconds``.
+        read begun after this call has neither found nor made a verdict. For a
+        failure that no verdict is coming for within ``seconds`` unless some rank
+        published one already (a peer's process is gone: its heartbeat has been
+        silent for moments, not ``timeout``); without it, a caller waits the full
+        ``seconds``.
+
+        Called from an engine's communication thread (any thread but the
+        heartbeat's own): it sets the poke and polls ``_verdict`` and
+        ``_read_through``, which the store thread writes.
         """
         asked = time.monotonic()
         if fresh:
@@ -231,14 +239,17 @@ class Heartbeat:
             if verdict:
                 self._declare(verdict.decode(), publish=False)
                 return
-            self._read_through = now
             if watched == self.rank or value == _DONE.encode():
+                self._read_through = now
                 continue
             if value != last_seen:
                 last_seen, last_change = value, now
+                self._read_through = now
                 continue
             silent = now - last_change
-            if silent > self.timeout.total_seconds():
+            if silent <= self.timeout.total_seconds():
+                self._read_through = now  # this read found no verdict and makes none
+            else:
                 round_seen = value.decode().partition(":")[2]
                 last = "it never sent one" if round_seen == "none" else f"its last was at round {round_seen}"
                 self._declare(

@@ -25,8 +25,7 @@ per fit than Lightning's script launcher (``popen``, the default), which runs
 this file again for every other rank. ``callbacks<R>.json`` and ``rank<R>.pt``
 (and ``stopped<R>``) are then written by each rank at ``on_fit_end``, or at
 ``on_exception`` when SIGTERM stops the fit, and the launching process writes
-``<out>/parent.json`` (``trainer.interrupted`` after its ``fit`` returned). A fit
-whose ranks build different loaders needs ``popen``.
+``<out>/parent.json`` (``trainer.interrupted`` after its ``fit`` returned).
 """
 
 from __future__ import annotations
@@ -230,8 +229,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     fork = args.launch == "fork"
-    if fork and args.rank_batch_sizes:
-        parser.error("--launch fork: --rank-batch-sizes needs --launch popen")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # torch read the variable at import: size this process's pool too (forked ranks inherit it).
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -239,11 +236,14 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2048, 8, generator=g)
     y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(2048, 1, generator=g)
-    batch_size = 16
-    if args.rank_batch_sizes is not None:  # LOCAL_RANK: set by Lightning's launcher in the other ranks
-        batch_size = [int(b) for b in args.rank_batch_sizes.split(",")][int(os.environ.get("LOCAL_RANK", "0"))]
-    loader = DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True)
+    dataset = TensorDataset(x, y)
+    loader: DataLoader | None = DataLoader(dataset, batch_size=16, shuffle=True)
     model = Regressor(batchnorm=args.batchnorm, unused=args.unused, rank0_only=args.rank0_only)
+    if args.rank_batch_sizes is not None:
+        sizes = [int(b) for b in args.rank_batch_sizes.split(",")]
+        # Lightning asks for the loader in each rank (a forked rank too), once its rank is known.
+        model.train_dataloader = lambda: DataLoader(dataset, batch_size=sizes[model.global_rank], shuffle=True)
+        loader = None
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.step_scheduler = args.step_scheduler
     model.momentum = args.momentum
