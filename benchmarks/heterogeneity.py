@@ -680,7 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="abs_sgd's staleness_rule (auto: spike compensation under SGD momentum)")
     parser.add_argument("--delay", type=lambda v: v if v == "auto" else int(v), choices=["auto", 0, 1], default="auto",
                         help="abs_sgd's delay: 1 (results one round late, the paper's), 0 (synchronous rounds) or "
-                             "auto (default: 0 under AdamW, 1 under SGD)")
+                             "auto (default: 0 under AdamW or with --adaptive, 1 otherwise)")
     parser.add_argument("--final-sync", type=float, default=0.05,
                         help="abs_sgd's final_sync: the last fraction of the samples in synchronous rounds (0: off)")
     parser.add_argument("--thread-cpu", action="store_true",

@@ -75,12 +75,14 @@ def run_fit(out: Path, *extra: str, launch: str = "fork") -> list[dict]:
 
 @pytest.mark.timeout(300)
 def test_fit_two_epochs_under_persistent_heterogeneity(tmp_path):
-    """Speeds 1, 1, 0.5, 0.25: every rank ends each epoch at the same round, the fast ranks drew more
-    samples, the adaptive sizes follow the speeds, a per-step LR scheduler steps per round, and the
-    replicas end bit-identical (SGD momentum 0.9: the default staleness rule re-times every result)."""
+    """Speeds 1, 1, 0.5, 0.25 with the paper's delay (``delay=1``; "auto" would resolve to 0 with
+    AdaptiveBatchSize): every rank ends each epoch at the same round, the fast ranks drew more samples, the
+    adaptive sizes follow the speeds (the finish's synchronous rounds split the global batch), a per-step LR
+    scheduler steps per round, and the replicas end bit-identical (SGD momentum 0.9: the default staleness rule
+    re-times every result)."""
     out = tmp_path / "run"
     records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--adaptive", "--batchnorm",
-                      "--step-scheduler", "--momentum", "0.9")
+                      "--step-scheduler", "--momentum", "0.9", "--strategy-kw", json.dumps({"delay": 1}))
     assert_identical(out)
     assert all(r["staleness_weights"] == {"rule": "momentum", "momentum": 0.9, "dampening": 0.0} for r in records)
     # An interval="step" scheduler steps per round, not per batch: the same learning rate on every rank.
@@ -100,8 +102,10 @@ def test_fit_two_epochs_under_persistent_heterogeneity(tmp_path):
     assert first[0] > first[3] and first[1] > first[3], (first, [r["epoch_batches"][0] for r in records])
     sizes = records[0]["adaptive"]
     assert sizes and all(s == records[1]["adaptive"][i] for i, s in enumerate(sizes))  # the same on every rank
-    last = sizes[-1][1]
+    last = [s for s in sizes if not s[3]][-1][1]  # the asynchronous rounds' rule (the finish splits the step)
     assert max(last) == 16, sizes  # the fastest keeps the loader's 16
+    for _, split_sizes, counts, _ in (s for s in sizes if s[3]):  # the finish: about the global batch of 64
+        assert max(split_sizes) <= 16 and 56 <= sum(n * b for n, b in zip(counts, split_sizes)) <= 72, sizes
     # The slowest rank's sizes are the smallest over the fit. One adjustment alone can tie (seen in CI:
     # [16, 10, 12, 10] at the last one), since each follows the speeds measured in its own window.
     mean = [sum(s[1][r] for s in sizes) / len(sizes) for r in range(4)]
@@ -131,22 +135,32 @@ def test_adamw_results_are_retimed_through_adams_moments_and_replicas_stay_ident
 def test_adamw_runs_synchronous_rounds_sized_by_each_ranks_measured_speed(tmp_path):
     """AdamW under speeds 1, 1, 0.5, 0.25 at the defaults: ``delay="auto"`` resolves to 0, so every micro-batch is
     applied by the step that includes its own round (step lag 0 for every sample, each sample applied once);
-    AdaptiveBatchSize sizes the micro-batches from each rank's measured work time (in synchronous rounds the
-    samples per round only repeat the sizes), so the slowest rank's are the smallest; replicas end bit-identical."""
+    AdaptiveBatchSize sizes the ranks' shares from their measured work time (in synchronous rounds the samples
+    per round only repeat the sizes): a round holds about the global batch (4 x 16), the slowest rank's share is
+    the smallest, the fast ranks' shares come as several micro-batches, none larger than the loader's 16; the
+    batch that ends an epoch arrives whatever the count, so the epoch-end checkpoint (collective) finds no rank
+    waiting in a round; replicas end bit-identical."""
     out = tmp_path / "run"
-    records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "1", "--optimizer", "adamw", "--adaptive")
+    records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--optimizer", "adamw", "--adaptive",
+                      "--save-epoch", "0")
     assert_identical(out)
+    assert (out / "mid.ckpt").is_file()
+    assert all(len(r["epoch_batches"]) == 2 for r in records)
     assert all(r["update_rule"]["delay"] == 0 for r in records), records[0]["update_rule"]
     # What is in force: every round synchronous, nothing late for a staleness rule to act on.
     assert all((r["update_rule"]["final_sync"], r["update_rule"]["staleness_rule"]) == (1.0, "none") for r in records)
     for record in records:
         lags = {int(k): n for k, n in record["step_lags"].items()}
         assert set(lags) == {0} and lags[0] == sum(record["epoch_samples"]), (lags, record["epoch_samples"])
-    sizes = records[0]["adaptive"]
-    assert sizes and all(s == records[1]["adaptive"][i] for i, s in enumerate(sizes))  # the same on every rank
-    assert max(sizes[-1][1]) == 16, sizes  # the fastest keeps the loader's 16
-    mean = [sum(s[1][r] for s in sizes) / len(sizes) for r in range(4)]
-    assert mean[3] < min(mean[0], mean[1]), (mean, sizes)
+    updates = records[0]["adaptive"]
+    assert updates and all(u == records[1]["adaptive"][i] for i, u in enumerate(updates))  # the same everywhere
+    for _, sizes, counts, split in updates:  # every window synchronous: the step split by speed
+        assert split, updates
+        assert max(sizes) <= 16 and min(counts) >= 1, updates
+        assert 56 <= sum(n * b for n, b in zip(counts, sizes)) <= 72, updates  # about 64: rounding only
+    assert any(max(u[2]) > 1 for u in updates), updates  # a fast rank's share exceeds 16
+    share = [sum(u[1][r] * u[2][r] for u in updates) / len(updates) for r in range(4)]
+    assert share[3] < min(share[0], share[1]), (share, updates)
     first = [r["epoch_samples"][0] for r in records]
     assert first[0] > first[3] and first[1] > first[3], first
 
@@ -305,23 +319,27 @@ def test_spike_compensation_spares_the_first_step_and_retimes_every_later_one(tm
             assert torch.allclose(a, e, rtol=1e-5, atol=1e-6), (k, (a - e).abs().max())
 
 
-@pytest.mark.parametrize("optimizer, delay", [
-    (lambda params: torch.optim.AdamW(params, lr=0.01), 0),
-    (lambda params: torch.optim.Adam(params, lr=0.01), 0),
-    (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), 1),
-    (lambda params: torch.optim.SGD(params, lr=0.1), 1),
-    (lambda params: torch.optim.RMSprop(params, lr=0.01), 1),
-], ids=["AdamW", "Adam", "SGD-momentum", "SGD", "RMSprop"])
-def test_auto_delay_is_zero_for_adam_like_optimizers_only(tmp_path, optimizer, delay):
+@pytest.mark.parametrize("optimizer, adaptive, delay", [
+    (lambda params: torch.optim.AdamW(params, lr=0.01), False, 0),
+    (lambda params: torch.optim.Adam(params, lr=0.01), False, 0),
+    (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), False, 1),
+    (lambda params: torch.optim.SGD(params, lr=0.1), False, 1),
+    (lambda params: torch.optim.RMSprop(params, lr=0.01), False, 1),
+    (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), True, 0),
+    (lambda params: torch.optim.RMSprop(params, lr=0.01), True, 0),
+], ids=["AdamW", "Adam", "SGD-momentum", "SGD", "RMSprop", "SGD-momentum-adaptive", "RMSprop-adaptive"])
+def test_auto_delay_is_zero_for_adam_like_optimizers_or_adaptive_batch_sizes(tmp_path, optimizer, adaptive, delay):
     strategy = ABSSGDStrategy(staleness_rule="none")
     assert strategy.update_rule()["delay"] == "auto"  # before set-up: as configured
-    _tiny_fit(strategy, tmp_path, optimizer=optimizer)
+    _tiny_fit(strategy, tmp_path, optimizer=optimizer, callbacks=[AdaptiveBatchSize()] if adaptive else ())
     assert strategy.update_rule()["delay"] == delay
 
 
 def test_adaptive_sizes_from_work_time_in_synchronous_rounds():
     """The sizing rule on given headers: asynchronous rounds size by samples per round; a window of synchronous
-    rounds (every rank one micro-batch per round) by samples per busy second, ``B * v_i / max_j v_j``."""
+    rounds by samples per busy second: without a step size ``B * v_i / max_j v_j``, one micro-batch each; with
+    the strategy's step ``R``, shares ``R * v_i / sum_j v_j`` as ``ceil(share / B)`` micro-batches of at most
+    ``B``, the count handed to the strategy."""
     from lightning_partial.collectives import RoundStats
 
     class Sampler:
@@ -339,8 +357,22 @@ def test_adaptive_sizes_from_work_time_in_synchronous_rounds():
     assert callback.sizes == (16, 16, 8, 4)
     for r in range(2, 4):  # synchronous: the same samples, but ranks 2 and 3 take 4 and 8 times as long per sample
         callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.2, 0.2), True))
-    assert callback.sizes == (16, 16, 4, 2)
+    assert callback.sizes == (16, 16, 4, 2) and callback.micro_batches == (1, 1, 1, 1)  # no step size known
     assert callback._sampler.batch_size == 16  # rank 0's
+
+    class Strategy:  # what ABSSGDStrategy resolves at the start of fit: a step of 64 samples
+        sync_round_samples, micro_batches_per_round = 64, 1
+
+    callback._strategy = Strategy()
+    for r in range(4, 6):  # speeds 160, 160, 40, 20 samples/s: shares 64 * v / 380 = 26.9, 26.9, 6.7, 3.4
+        callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.2, 0.2), True))
+    # ceil(26.9 / 16) = 2 micro-batches of round(13.5) = 13 on the fast ranks; one of 7 and one of 3.
+    assert callback.sizes == (13, 13, 7, 3) and callback.micro_batches == (2, 2, 1, 1)
+    assert callback._sampler.batch_size == 13  # rank 0's
+    assert callback._strategy.micro_batches_per_round == 2  # rank 0's count, handed to the strategy
+    for r in range(6, 8):  # asynchronous again: one micro-batch per round, the fastest at the loader's 16
+        callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.1, 0.1), False))
+    assert callback.sizes == (16, 16, 8, 4) and callback._strategy.micro_batches_per_round == 1
 
 
 def test_step_lags_count_the_optimizer_steps_between_a_gradients_weights_and_its_step(tmp_path):
@@ -466,3 +498,19 @@ def test_the_global_batch_is_agreed_when_the_ranks_loaders_differ(tmp_path):
     records = run_fit(out, "--rank-batch-sizes", "16,16,8,8", "--max-epochs", "1")
     assert [r["epoch_samples"][0] / r["epoch_batches"][0] for r in records] == [16, 16, 8, 8]  # each rank's loader
     assert_identical(out)
+
+
+def test_asynchronous_round_options_warn_when_every_round_is_synchronous(tmp_path, caplog):
+    """``trigger``, ``target_samples`` and ``interval`` start asynchronous rounds: with ``delay`` resolved to 0
+    (AdamW here) they do nothing, and rank 0 says so, naming the options; with ``delay=1`` nothing is said."""
+    import logging
+
+    adamw = lambda params: torch.optim.AdamW(params, lr=0.01)  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="lightning_partial.strategies.abs_sgd"):
+        _tiny_fit(ABSSGDStrategy(trigger="time", interval=0.2), tmp_path / "auto", optimizer=adamw)
+    assert "trigger='time', target_samples=None and interval=0.2 have no effect with delay='auto' (resolved to 0)" \
+        in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_partial.strategies.abs_sgd"):
+        _tiny_fit(ABSSGDStrategy(trigger="time", interval=0.2, delay=1), tmp_path / "one", optimizer=adamw)
+    assert "have no effect" not in caplog.text

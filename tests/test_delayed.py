@@ -28,9 +28,11 @@ def samples_of(rank: int, k: int) -> int:
     return 1 + (rank + k) % 3
 
 
-def train(config: DelayedConfig, *, delays_ms: tuple[float, ...], agree: dict, keep_stats: bool = False) -> callable:
+def train(config: DelayedConfig, *, delays_ms: tuple[float, ...], agree: dict, keep_stats: bool = False,
+          hold: tuple[int, ...] = (1,) * P) -> callable:
     """Each rank deposits micro-batches until the final round, then agrees on the last round and finishes;
-    ``keep_stats``: each handed result's record carries its ``stats.busy`` too."""
+    ``keep_stats``: each handed result's record carries its ``stats.busy`` too; ``hold``: rank ``i`` arrives
+    with every ``hold[i]``-th micro-batch (``arrive=False`` for the others)."""
     barrier = threading.Barrier(P)
 
     def fn(rank: int, store: dist.Store) -> dict:
@@ -42,7 +44,7 @@ def train(config: DelayedConfig, *, delays_ms: tuple[float, ...], agree: dict, k
             while engine.final_round is None:
                 time.sleep(delays_ms[rank] / 1000)
                 g, b = grad_of(rank, k), samples_of(rank, k)
-                results = engine.deposit([g], samples=b)
+                results = engine.deposit([g], samples=b, arrive=(k + 1) % hold[rank] == 0)
                 into = engine.deposit_round  # the round that takes this micro-batch
                 deposits.append((g, b, into, engine.started_round))
                 handed_at.append([(r.round_index, r.tensors[0].clone(), r.stats.counts)
@@ -230,6 +232,31 @@ def test_synchronous_from_the_first_round_hands_every_result_at_once_and_measure
     assert busy[0][0] == (0.0, 0.0, 0.0, 0.0)  # nothing measured before the first deposit
     for k in range(1, 12):
         assert all(busy[k][0][rank] >= delays_ms[rank] / 1000 for rank in range(P)), (k, busy[k][0])
+
+
+def test_a_synchronous_round_takes_every_micro_batch_a_rank_held_before_it_arrived():
+    """``sync_from=0``, ranks 0 and 1 arriving with every third and second micro-batch (``arrive=False`` before):
+    every round holds exactly each rank's micro-batches since its last arrival, a held deposit returns at once
+    with no result, an arriving one with its own round's; the update is the sample-weighted sum of all of them
+    (bit-identical on every rank, nothing lost), and the round's busy seconds for a rank add up the work of all
+    its micro-batches (at least each one's sleep)."""
+    hold, delays_ms = (3, 2, 1, 1), (2.0, 2.0, 6.0, 6.0)
+    config = DelayedConfig(target_samples=4, max_rounds=8, sync_from=0, timeout=timedelta(seconds=30), name="held")
+    records = run_threads(P, train(config, delays_ms=delays_ms, agree={}, keep_stats=True, hold=hold))
+    results = check_sums_and_conservation(records)
+    assert {record["fresh_from"] for record in records} == {0} and len(results) == 9  # and the finish's empty round
+    for rank, record in enumerate(records):
+        assert [into for _, _, into, _ in record["deposits"]] == [k // hold[rank] for k in range(8 * hold[rank])]
+        for k, ((_, _, into, _), batch) in enumerate(zip(record["deposits"], record["handed_at"])):
+            if (k + 1) % hold[rank]:
+                assert batch == [], (rank, k)  # held: no round yet
+            else:
+                assert [x[0] for x in batch] == [into]  # arrived: its round's result, at once
+                mine = record["deposits"][k + 1 - hold[rank]:k + 1]
+                assert results[into][1][rank] == sum(n for _, n, _, _ in mine)  # every held micro-batch
+    busy = [batch[0][3] for batch in records[3]["handed_at"]]  # rank 3 arrives with every micro-batch
+    for r in range(1, 8):
+        assert all(busy[r][rank] >= hold[rank] * delays_ms[rank] / 1000 for rank in range(P)), (r, busy[r])
 
 
 def test_busy_seconds_leave_out_the_time_paused():

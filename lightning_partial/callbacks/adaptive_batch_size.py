@@ -17,18 +17,33 @@ rank contributes one micro-batch per round whatever its speed, so the shares
 would only repeat the sizes: when every round of the window is synchronous,
 ``s_i`` is rank ``i``'s samples per second of its own work (the header's
 ``busy`` seconds: from each of its deposits' return to the next, waits for
-the other ranks excluded), and the sizes make every rank's micro-batch take
-about as long. The
+the other ranks excluded), and the ranks split the strategy's step
+(``sync_round_samples``, ``R``: DDP's global batch by default) by speed:
+
+    q_i = R * s_i / sum_j s_j,  n_i = ceil(q_i / B),  b_i = clamp(round(q_i / n_i), min_batch_size, B)
+
+rank ``i`` deposits ``n_i`` micro-batches of ``b_i`` and arrives at the round
+with the last (the first ``n_i - 1`` are held, ``DelayedAllreduce.deposit(
+arrive=False)``): every share takes about as long, a round holds about one
+step, so its allreduce and its wait for the slowest are paid once per step,
+and no micro-batch exceeds the loader's batch size (one micro-batch per rank
+and round, the fastest at ``B``, would make rounds of ``B * sum_j s_j /
+max_j s_j`` samples: under speeds 1, 1, 0.5, 0.25 and ``R = 4B``, 1.45
+rounds per step, each waiting for the slowest). A batch that ends an epoch or
+the fit arrives whatever its count. Without a step size (``step_samples`` and
+``reference_samples`` both ``None``) synchronous rounds keep one micro-batch
+per rank, sized by the first rule on the measured speeds. The
 per-rank samples travel in every round's header, so every rank computes the
 same sizes for every rank at the same round, with no collective, and rank 0
-can log all of them: ``abs/batch_size`` (this rank's), ``abs/batch_size_rank{i}``
-and ``abs/samples_per_round_rank{i}``. Sizes are updated every ``window``
+can log all of them: ``abs/batch_size`` (this rank's), ``abs/batch_size_rank{i}``,
+``abs/micro_batches_rank{i}`` and ``abs/samples_per_round_rank{i}``. Sizes are updated every ``window``
 rounds; the next batch drawn has the new size (the strategy's
 :class:`~lightning_partial.data.ElasticBatchSampler`).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any, Optional
 
@@ -59,8 +74,11 @@ class AdaptiveBatchSize(Callback):
         self.log = log
         self.base: Optional[int] = None
         self.sizes: Optional[tuple[int, ...]] = None  # every rank's current size
-        # (round, sizes) at each update, the latest ``history`` of them.
-        self.history: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=history)
+        #: Every rank's micro-batches per synchronous round (1 each under the asynchronous rule).
+        self.micro_batches: Optional[tuple[int, ...]] = None
+        # (round, sizes, micro-batches per round, whether the synchronous rule made them) at each update, the
+        # latest ``history`` of them.
+        self.history: deque[tuple[int, tuple[int, ...], tuple[int, ...], bool]] = deque(maxlen=history)
         # Per round: (samples, busy seconds, synchronous), every rank's.
         self._counts: deque[tuple[tuple[int, ...], tuple[float, ...], bool]] = deque(maxlen=window)
         self._rank = 0
@@ -99,32 +117,56 @@ class AdaptiveBatchSize(Callback):
         if len(self._counts) < self.window or (stats.round_index + 1) % self.window:
             return
         samples = [sum(c[0][i] for c in self._counts) for i in range(len(stats.counts))]
-        shares = self._shares(samples)
+        shares, synchronous = self._shares(samples)
         top = max(shares)
         if top <= 0:
             return
-        sizes = tuple(
-            max(self.min_batch_size, min(self.base, round(self.base * s / top))) for s in shares
-        )
-        self.sizes = sizes
-        self.history.append((stats.round_index, sizes))
+        round_samples = getattr(getattr(self, "_strategy", None), "sync_round_samples", None)
+        split = synchronous and round_samples is not None
+        if split:
+            sizes, counts = self._split(round_samples, shares)
+        else:
+            sizes = tuple(
+                max(self.min_batch_size, min(self.base, round(self.base * s / top))) for s in shares
+            )
+            counts = (1,) * len(sizes)
+        self.sizes, self.micro_batches = sizes, counts
+        self.history.append((stats.round_index, sizes, counts, split))
         self._sampler.batch_size = sizes[self._rank]
+        strategy = getattr(self, "_strategy", None)
+        if strategy is not None:
+            strategy.micro_batches_per_round = counts[self._rank]
         per_round = [n / len(self._counts) for n in samples]
         self._pending_log = {
             "abs/batch_size": float(sizes[self._rank]),
             **{f"abs/batch_size_rank{i}": float(b) for i, b in enumerate(sizes)},
+            **{f"abs/micro_batches_rank{i}": float(n) for i, n in enumerate(counts)},
             **{f"abs/samples_per_round_rank{i}": float(x) for i, x in enumerate(per_round)},
         }
 
-    def _shares(self, samples: list[int]) -> list[float]:
+    def _split(self, round_samples: int, speeds: list[float]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Synchronous rounds: ``round_samples`` shared by speed, each share as micro-batches of at most ``base``.
+
+        Rank ``i``'s share is ``q_i = R * v_i / sum_j v_j``: every share takes about as long, and the round
+        holds about ``R`` (the strategy's step: one allreduce per step, as DDP's). It is ``n_i = ceil(q_i /
+        base)`` micro-batches of ``round(q_i / n_i)`` samples: never larger than the loader's batch (memory).
+        """
+        assert self.base is not None
+        total = sum(speeds)
+        quotas = [round_samples * v / total for v in speeds]
+        counts = tuple(max(1, math.ceil(q / self.base)) for q in quotas)
+        sizes = tuple(max(self.min_batch_size, min(self.base, round(q / n))) for q, n in zip(quotas, counts))
+        return sizes, counts
+
+    def _shares(self, samples: list[int]) -> tuple[list[float], bool]:
         """Each rank's speed over the window, from its ``samples`` there: samples per round, or samples per
-        busy second when every round of the window was synchronous."""
+        busy second when every round of the window was synchronous (then also ``True``)."""
         world_size = len(samples)
         if all(c[2] and len(c[1]) == world_size for c in self._counts):
             busy = [sum(c[1][i] for c in self._counts) for i in range(world_size)]
             if all(b > 0 for b in busy):
-                return [n / b for n, b in zip(samples, busy)]
-        return [float(n) for n in samples]
+                return [n / b for n, b in zip(samples, busy)], True
+        return [float(n) for n in samples], False
 
     @override
     def on_train_batch_end(

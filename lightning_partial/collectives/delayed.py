@@ -53,7 +53,11 @@ here (**Decisions**; the semantics in docs/algorithms.md, abs_sgd):
   next round on every gradient is fresh (:attr:`DelayedAllreduce.fresh_from`),
   and the ranks run in lock-step, the slowest pacing: DDP's rounds, summed by
   samples. With ``sync_from=0`` (``abs_sgd``'s ``delay=0``) no asynchronous
-  round comes first: every round is fresh from round 0.
+  round comes first: every round is fresh from round 0. A micro-batch
+  deposited with ``arrive=False`` in a synchronous round joins this rank's
+  next contribution without arriving: a rank whose share of a round is
+  several micro-batches (``AdaptiveBatchSize``) arrives once, with all of
+  them, and the round's allreduce is paid once.
 
 Threads and collectives: the caller's thread calls :meth:`deposit` after each
 micro-batch and applies what it returns; it issues no collective (it only
@@ -264,7 +268,7 @@ class DelayedAllreduce(PartialAllreduce):
         with self._cond:
             return self._final_round
 
-    def deposit(self, tensors: Tensors, samples: int) -> list[RoundResult]:
+    def deposit(self, tensors: Tensors, samples: int, *, arrive: bool = True) -> list[RoundResult]:
         """Adds a micro-batch (its *mean* gradient over ``samples`` samples); returns the results now due.
 
         A result is due once the round after it has started on this rank; they
@@ -272,18 +276,22 @@ class DelayedAllreduce(PartialAllreduce):
         micro-batch requests the next round: until that round has started here,
         i.e. until the previous round has completed (bounded by the timeout).
         In the synchronous finish every micro-batch arrives at the next round,
-        and blocks until that round has completed: its result is due at once.
+        and blocks until that round has completed: its result is due at once;
+        unless ``arrive`` is false: the micro-batch then joins this rank's next
+        contribution and the call returns at once, with no round (a later
+        deposit arrives with both; the end of fit's round takes what is left).
+        ``arrive`` has no effect on an asynchronous round (its trigger decides).
         The time since the previous call returned is this micro-batch's work,
         reported per rank in the round's ``RoundStats.busy``.
         """
         arrived = time.monotonic()
         busy = 0.0 if self._returned_at is None else arrived - self._returned_at
         try:
-            return self._deposit(tensors, samples, busy)
+            return self._deposit(tensors, samples, busy, arrive=arrive)
         finally:
             self._returned_at = time.monotonic()
 
-    def _deposit(self, tensors: Tensors, samples: int, busy: float) -> list[RoundResult]:
+    def _deposit(self, tensors: Tensors, samples: int, busy: float, *, arrive: bool = True) -> list[RoundResult]:
         """:meth:`deposit`, with the seconds of work behind the micro-batch (0.0 for the first)."""
         self._check_running("deposit")
         check_int("samples", samples, owner=f"rank {self.rank}")
@@ -314,7 +322,8 @@ class DelayedAllreduce(PartialAllreduce):
             self.deposit_round = q
             # After the final round nothing arrives: what comes now waits for finish()'s round.
             synchronous = self._known_sync(q) and self._final_round is None
-            if synchronous:
+            held = synchronous and not arrive  # stays in the send buffer for this rank's next arrival
+            if synchronous and arrive:
                 self._step = q + 1  # the arrival the communication thread waits for (RoundRunner)
                 self._cond.notify_all()
             pending = sum(p.samples for p in deposits)  # the send buffer itself: d is in it
@@ -327,7 +336,7 @@ class DelayedAllreduce(PartialAllreduce):
         if wake is not None:
             assert self._control is not None
             self._control.wake(wake)  # the communication thread activates the round for everybody
-        if synchronous:
+        if synchronous and not held:
             # Every rank arrives at round q with this micro-batch; the round waits for the slowest.
             self._wait_on_cond(lambda: self._synchronous_round_done(q), q,
                                f"synchronous round {q} did not complete (is a rank dead or stalled?)")

@@ -333,7 +333,7 @@ def main() -> None:
         if lags is not None:
             record["step_lags"] = {str(lag): n for lag, n in lags.histogram(0).items()}
         if adaptive is not None:
-            record["adaptive"] = [[r, list(sizes)] for r, sizes in adaptive.history]
+            record["adaptive"] = [[r, list(sizes), list(counts), split] for r, sizes, counts, split in adaptive.history]
         if rotation is not None:
             record["groups"] = [asdict(r) for r in rotation.history]
         if tracker is not None:
