@@ -159,6 +159,10 @@ def test_adamw_runs_synchronous_rounds_sized_by_each_ranks_measured_speed(tmp_pa
         assert max(sizes) <= 16 and min(counts) >= 1, updates
         assert 56 <= sum(n * b for n, b in zip(counts, sizes)) <= 72, updates  # about 64: rounding only
     assert any(max(u[2]) > 1 for u in updates), updates  # a fast rank's share exceeds 16
+    assert all(len(set(u[2])) == 1 for u in updates), updates  # the same count on every rank: lock-step batches
+    batches = [r["epoch_batches"] for r in records]
+    assert all(b == batches[0] for b in batches), batches  # every rank ran the same batches per epoch
+    assert sum(batches[0]) > records[0]["last_round"]["round"] + 2, (batches, records[0]["last_round"])  # held
     share = [sum(u[1][r] * u[2][r] for u in updates) / len(updates) for r in range(4)]
     assert share[3] < min(share[0], share[1]), (share, updates)
     first = [r["epoch_samples"][0] for r in records]
@@ -351,7 +355,7 @@ def test_adaptive_sizes_from_work_time_in_synchronous_rounds():
                           dropped=(0,) * 4, contributions=sum(counts), divisor=float(sum(counts)), busy=busy)
 
     callback = AdaptiveBatchSize(window=2, log=False)
-    callback.base, callback._sampler = 16, Sampler()
+    callback.base, callback.bases, callback._sampler = 16, (16,) * 4, Sampler()
     for r in range(2):  # asynchronous: shares of the samples (busy ignored)
         callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.1, 0.1), False))
     assert callback.sizes == (16, 16, 8, 4)
@@ -366,8 +370,8 @@ def test_adaptive_sizes_from_work_time_in_synchronous_rounds():
     callback._strategy = Strategy()
     for r in range(4, 6):  # speeds 160, 160, 40, 20 samples/s: shares 64 * v / 380 = 26.9, 26.9, 6.7, 3.4
         callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.2, 0.2), True))
-    # ceil(26.9 / 16) = 2 micro-batches of round(13.5) = 13 on the fast ranks; one of 7 and one of 3.
-    assert callback.sizes == (13, 13, 7, 3) and callback.micro_batches == (2, 2, 1, 1)
+    # ceil(26.9 / 16) = 2 micro-batches on every rank (lock-step batches): 13, 13, round(3.37) = 3, round(1.68) = 2.
+    assert callback.sizes == (13, 13, 3, 2) and callback.micro_batches == (2, 2, 2, 2)
     assert callback._sampler.batch_size == 13  # rank 0's
     assert callback._strategy.micro_batches_per_round == 2  # rank 0's count, handed to the strategy
     for r in range(6, 8):  # asynchronous again: one micro-batch per round, the fastest at the loader's 16
@@ -498,6 +502,28 @@ def test_the_global_batch_is_agreed_when_the_ranks_loaders_differ(tmp_path):
     records = run_fit(out, "--rank-batch-sizes", "16,16,8,8", "--max-epochs", "1")
     assert [r["epoch_samples"][0] / r["epoch_batches"][0] for r in records] == [16, 16, 8, 8]  # each rank's loader
     assert_identical(out)
+
+
+@pytest.mark.timeout(300)
+def test_synchronous_rounds_split_by_speed_keep_lock_step_when_the_ranks_loaders_differ(tmp_path):
+    """AdamW (``delay`` 0) with AdaptiveBatchSize, loader batch sizes 16, 16, 8, 8, speeds 1, 1, 0.5, 0.25: the
+    ranks exchange their loader batch sizes, so every rank computes the same sizes and the same micro-batch count
+    for every rank (a rank that knew only its own would count ``ceil(share / 8)`` where the others count
+    ``ceil(share / 16)``, and the ranks' batches would drift apart); no rank's micro-batch exceeds its own
+    loader's batch; every rank runs the same batches per epoch; replicas end bit-identical."""
+    out = tmp_path / "run"
+    records = run_fit(out, "--rank-batch-sizes", "16,16,8,8", "--speed", "1,1,0.5,0.25", "--max-epochs", "1",
+                      "--optimizer", "adamw", "--adaptive")
+    assert_identical(out)
+    assert all(r["adaptive_bases"] == [16, 16, 8, 8] for r in records), [r["adaptive_bases"] for r in records]
+    updates = records[0]["adaptive"]
+    assert updates and all(r["adaptive"] == updates for r in records), [r["adaptive"] for r in records]
+    assert any(split for *_, split in updates), updates
+    for _, sizes, counts, _ in updates:
+        assert all(b <= base for b, base in zip(sizes, (16, 16, 8, 8))), updates
+        assert len(set(counts)) == 1, updates
+    batches = [r["epoch_batches"] for r in records]
+    assert all(b == batches[0] for b in batches), batches
 
 
 def test_asynchronous_round_options_warn_when_every_round_is_synchronous(tmp_path, caplog):

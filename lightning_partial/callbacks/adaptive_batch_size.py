@@ -7,9 +7,10 @@ callback sizes each rank's micro-batch to its speed, so that every rank
 completes about one micro-batch per round (**Decision**, the paper's aim:
 workers finishing their batches together):
 
-    b_i = clamp(round(B * s_i / max_j s_j), min_batch_size, B)
+    b_i = clamp(round(B_i * s_i / max_j s_j), min_batch_size, B_i)
 
-where ``B`` is the loader's batch size (the fastest rank keeps it) and ``s_i``
+where ``B_i`` is rank ``i``'s loader batch size (the fastest rank keeps it;
+the ranks exchange them once, at the start of training) and ``s_i``
 rank ``i``'s samples per round over the last ``window`` rounds (its share of
 the work; every rank is always busy, so that is its throughput). In
 synchronous rounds (``abs_sgd(delay=0)``, and its synchronous finish) every
@@ -20,14 +21,18 @@ would only repeat the sizes: when every round of the window is synchronous,
 the other ranks excluded), and the ranks split the strategy's step
 (``sync_round_samples``, ``R``: DDP's global batch by default) by speed:
 
-    q_i = R * s_i / sum_j s_j,  n_i = ceil(q_i / B),  b_i = clamp(round(q_i / n_i), min_batch_size, B)
+    q_i = R * s_i / sum_j s_j,  n = max_j ceil(q_j / B_j),  b_i = clamp(round(q_i / n), min_batch_size, B_i)
 
-rank ``i`` deposits ``n_i`` micro-batches of ``b_i`` and arrives at the round
-with the last (the first ``n_i - 1`` are held, ``DelayedAllreduce.deposit(
+every rank deposits ``n`` micro-batches, rank ``i`` of ``b_i``, and arrives at
+the round with the last (the first ``n - 1`` are held, ``DelayedAllreduce.deposit(
 arrive=False)``): every share takes about as long, a round holds about one
 step, so its allreduce and its wait for the slowest are paid once per step,
-and no micro-batch exceeds the loader's batch size (one micro-batch per rank
-and round, the fastest at ``B``, would make rounds of ``B * sum_j s_j /
+no micro-batch exceeds the loader's batch size, and the ranks still run their
+batches in lock-step (a per-batch collective, ``sync_dist`` logging or a
+``max_time`` Timer's broadcast, pairs the same batches; with a count per rank
+a rank holding a micro-batch would wait in it for one waiting in the round)
+(one micro-batch per rank
+and round, the fastest at ``B`` (the same on every rank), would make rounds of ``B * sum_j s_j /
 max_j s_j`` samples: under speeds 1, 1, 0.5, 0.25 and ``R = 4B``, 1.45
 rounds per step, each waiting for the slowest). A batch that ends an epoch or
 the fit arrives whatever its count. Without a step size (``step_samples`` and
@@ -47,6 +52,7 @@ import math
 from collections import deque
 from typing import Any, Optional
 
+import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -72,7 +78,8 @@ class AdaptiveBatchSize(Callback):
         self.window = window
         self.min_batch_size = min_batch_size
         self.log = log
-        self.base: Optional[int] = None
+        self.base: Optional[int] = None  # this rank's loader batch size
+        self.bases: Optional[tuple[int, ...]] = None  # every rank's, exchanged at the start of training
         self.sizes: Optional[tuple[int, ...]] = None  # every rank's current size
         #: Every rank's micro-batches per synchronous round (1 each under the asynchronous rule).
         self.micro_batches: Optional[tuple[int, ...]] = None
@@ -108,10 +115,15 @@ class AdaptiveBatchSize(Callback):
             raise RuntimeError("AdaptiveBatchSize: the abs_sgd strategy has no elastic sampler")
         self._sampler = sampler
         self.base = sampler.batch_size
+        # Every rank's loader batch (they may differ): one all_gather on the strategy's collective group, main
+        # thread, every rank, before the first batch. The rules need them all: the same micro-batch count on
+        # every rank, and the sizes rank 0 logs for the others.
+        gathered = trainer.strategy.all_gather(torch.tensor([self.base], dtype=torch.int64))
+        self.bases = tuple(int(b) for b in gathered.reshape(-1).tolist())
 
     def _on_round(self, index: int, stats: RoundStats) -> None:
         """Strategy's thread (the training loop), for every round applied, in order: the same on every rank."""
-        if index != 0 or self.base is None or stats.flush:
+        if index != 0 or self.bases is None or stats.flush:
             return
         self._counts.append((stats.counts, stats.busy, stats.synchronous))
         if len(self._counts) < self.window or (stats.round_index + 1) % self.window:
@@ -127,7 +139,7 @@ class AdaptiveBatchSize(Callback):
             sizes, counts = self._split(round_samples, shares)
         else:
             sizes = tuple(
-                max(self.min_batch_size, min(self.base, round(self.base * s / top))) for s in shares
+                max(self.min_batch_size, min(base, round(base * s / top))) for base, s in zip(self.bases, shares)
             )
             counts = (1,) * len(sizes)
         self.sizes, self.micro_batches = sizes, counts
@@ -145,18 +157,22 @@ class AdaptiveBatchSize(Callback):
         }
 
     def _split(self, round_samples: int, speeds: list[float]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Synchronous rounds: ``round_samples`` shared by speed, each share as micro-batches of at most ``base``.
+        """Synchronous rounds: ``round_samples`` shared by speed, each share as ``n`` micro-batches of at most
+        the rank's loader batch, the same ``n`` on every rank.
 
         Rank ``i``'s share is ``q_i = R * v_i / sum_j v_j``: every share takes about as long, and the round
-        holds about ``R`` (the strategy's step: one allreduce per step, as DDP's). It is ``n_i = ceil(q_i /
-        base)`` micro-batches of ``round(q_i / n_i)`` samples: never larger than the loader's batch (memory).
+        holds about ``R`` (the strategy's step: one allreduce per step, as DDP's). Every rank runs ``n =
+        max_j ceil(q_j / B_j)`` micro-batches of ``round(q_i / n)`` samples: never larger than its loader's
+        batch ``B_i`` (memory), and the ranks' batches stay in lock-step, so a collective that every rank issues once
+        per batch (``sync_dist`` logging, a ``max_time`` Timer's broadcast) pairs the same batches on every
+        rank, as with one micro-batch per round.
         """
-        assert self.base is not None
+        assert self.bases is not None
         total = sum(speeds)
         quotas = [round_samples * v / total for v in speeds]
-        counts = tuple(max(1, math.ceil(q / self.base)) for q in quotas)
-        sizes = tuple(max(self.min_batch_size, min(self.base, round(q / n))) for q, n in zip(quotas, counts))
-        return sizes, counts
+        n = max(1, *(math.ceil(q / base) for q, base in zip(quotas, self.bases)))
+        sizes = tuple(max(self.min_batch_size, min(base, round(q / n))) for q, base in zip(quotas, self.bases))
+        return sizes, (n,) * len(sizes)
 
     def _shares(self, samples: list[int]) -> tuple[list[float], bool]:
         """Each rank's speed over the window, from its ``samples`` there: samples per round, or samples per

@@ -52,7 +52,8 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
 * **The delay** (``delay``). ``1``: the paper's rounds, each result applied
   one round late, as above. ``0``: every round synchronous from the first (the
   engine's ``sync_from=0``): every rank's every micro-batch joins the next round,
-  which waits for the slowest, and its result is applied at once: fresh gradients,
+  which waits for the slowest, and its result is applied when that round
+  completes, before the next micro-batch is computed: fresh gradients,
   no staleness rule, and ``trigger``, ``target_samples``, ``interval`` and
   ``final_sync`` have nothing left to do. The ranks still contribute different
   samples (with :class:`~lightning_partial.callbacks.AdaptiveBatchSize`, each

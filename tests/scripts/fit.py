@@ -334,6 +334,7 @@ def main() -> None:
             record["step_lags"] = {str(lag): n for lag, n in lags.histogram(0).items()}
         if adaptive is not None:
             record["adaptive"] = [[r, list(sizes), list(counts), split] for r, sizes, counts, split in adaptive.history]
+            record["adaptive_bases"] = list(adaptive.bases or ())
         if rotation is not None:
             record["groups"] = [asdict(r) for r in rotation.history]
         if tracker is not None:
