@@ -139,10 +139,12 @@ def test_adamw_runs_synchronous_rounds_sized_by_each_ranks_measured_speed(tmp_pa
     per round only repeat the sizes): a round holds about the global batch (4 x 16), the slowest rank's share is
     the smallest, the fast ranks' shares come as several micro-batches, none larger than the loader's 16; the
     batch that ends an epoch arrives whatever the count, so the epoch-end checkpoint (collective) finds no rank
-    waiting in a round; replicas end bit-identical."""
+    waiting in a round; every rank runs the same number of micro-batches per round, so the module's collectives in
+    every training step (``sync_dist`` logging, all_gather, barrier) pair the same batches (with a count per rank,
+    a rank holding a micro-batch waited in them for a rank waiting in the round); replicas end bit-identical."""
     out = tmp_path / "run"
     records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--optimizer", "adamw", "--adaptive",
-                      "--save-epoch", "0")
+                      "--save-epoch", "0", "--sync-dist")
     assert_identical(out)
     assert (out / "mid.ckpt").is_file()
     assert all(len(r["epoch_batches"]) == 2 for r in records)
