@@ -106,6 +106,7 @@ def test_fit_two_epochs_under_persistent_heterogeneity(tmp_path):
     assert max(last) == 16, sizes  # the fastest keeps the loader's 16
     for _, split_sizes, counts, _ in (s for s in sizes if s[3]):  # the finish: about the global batch of 64
         assert max(split_sizes) <= 16 and 56 <= sum(n * b for n, b in zip(counts, split_sizes)) <= 72, sizes
+        assert len(set(counts)) == 1, sizes  # the same count on every rank
     # The slowest rank's sizes are the smallest over the fit. One adjustment alone can tie (seen in CI:
     # [16, 10, 12, 10] at the last one), since each follows the speeds measured in its own window.
     mean = [sum(s[1][r] for s in sizes) / len(sizes) for r in range(4)]
@@ -137,7 +138,7 @@ def test_adamw_runs_synchronous_rounds_sized_by_each_ranks_measured_speed(tmp_pa
     applied by the step that includes its own round (step lag 0 for every sample, each sample applied once);
     AdaptiveBatchSize sizes the ranks' shares from their measured work time (in synchronous rounds the samples
     per round only repeat the sizes): a round holds about the global batch (4 x 16), the slowest rank's share is
-    the smallest, the fast ranks' shares come as several micro-batches, none larger than the loader's 16; the
+    the smallest, every rank's share comes as the same number of micro-batches, none larger than the loader's 16; the
     batch that ends an epoch arrives whatever the count, so the epoch-end checkpoint (collective) finds no rank
     waiting in a round; every rank runs the same number of micro-batches per round, so the module's collectives in
     every training step (``sync_dist`` logging, all_gather, barrier) pair the same batches (with a count per rank,
@@ -344,8 +345,8 @@ def test_auto_delay_is_zero_for_adam_like_optimizers_or_adaptive_batch_sizes(tmp
 def test_adaptive_sizes_from_work_time_in_synchronous_rounds():
     """The sizing rule on given headers: asynchronous rounds size by samples per round; a window of synchronous
     rounds by samples per busy second: without a step size ``B * v_i / max_j v_j``, one micro-batch each; with
-    the strategy's step ``R``, shares ``R * v_i / sum_j v_j`` as ``ceil(share / B)`` micro-batches of at most
-    ``B``, the count handed to the strategy."""
+    the strategy's step ``R``, shares ``q_i = R * v_i / sum_j v_j`` as ``n = max_j ceil(q_j / B_j)`` micro-batches
+    on every rank, each of at most the rank's own loader batch ``B_i``, the count handed to the strategy."""
     from lightning_partial.collectives import RoundStats
 
     class Sampler:
@@ -356,29 +357,52 @@ def test_adaptive_sizes_from_work_time_in_synchronous_rounds():
                           fresh=(), counts=counts, staleness=(0,) * 4, oldest_staleness=(0,) * 4, progress=(),
                           dropped=(0,) * 4, contributions=sum(counts), divisor=float(sum(counts)), busy=busy)
 
+    class Strategy:  # what ABSSGDStrategy has at the start of fit: no step size (set below), every loader at 16
+        sampler, loader_batch_sizes, sync_round_samples, micro_batches_per_round = Sampler(), (16,) * 4, None, 1
+
     callback = AdaptiveBatchSize(window=2, log=False)
-    callback.base, callback.bases, callback._sampler = 16, (16,) * 4, Sampler()
+    callback._strategy = Strategy()
     for r in range(2):  # asynchronous: shares of the samples (busy ignored)
         callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.1, 0.1), False))
     assert callback.sizes == (16, 16, 8, 4)
     for r in range(2, 4):  # synchronous: the same samples, but ranks 2 and 3 take 4 and 8 times as long per sample
         callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.2, 0.2), True))
     assert callback.sizes == (16, 16, 4, 2) and callback.micro_batches == (1, 1, 1, 1)  # no step size known
-    assert callback._sampler.batch_size == 16  # rank 0's
-
-    class Strategy:  # what ABSSGDStrategy resolves at the start of fit: a step of 64 samples
-        sync_round_samples, micro_batches_per_round = 64, 1
-
-    callback._strategy = Strategy()
+    assert callback._strategy.sampler.batch_size == 16  # rank 0's
+    callback._strategy.sync_round_samples = 64  # a step of 64 samples
     for r in range(4, 6):  # speeds 160, 160, 40, 20 samples/s: shares 64 * v / 380 = 26.9, 26.9, 6.7, 3.4
         callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.2, 0.2), True))
     # ceil(26.9 / 16) = 2 micro-batches on every rank (lock-step batches): 13, 13, round(3.37) = 3, round(1.68) = 2.
     assert callback.sizes == (13, 13, 3, 2) and callback.micro_batches == (2, 2, 2, 2)
-    assert callback._sampler.batch_size == 13  # rank 0's
+    assert callback._strategy.sampler.batch_size == 13  # rank 0's
     assert callback._strategy.micro_batches_per_round == 2  # rank 0's count, handed to the strategy
     for r in range(6, 8):  # asynchronous again: one micro-batch per round, the fastest at the loader's 16
         callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.1, 0.1), False))
     assert callback.sizes == (16, 16, 8, 4) and callback._strategy.micro_batches_per_round == 1
+
+
+def test_the_shared_micro_batch_count_is_set_by_the_smallest_loader_relative_to_its_share():
+    """Loaders of 64, 64, 8 and 8 at equal speeds, a step of 144: shares of 36, so the 8-sample loaders need
+    ``ceil(36 / 8) = 5`` micro-batches and every rank runs 5, of ``round(36 / 5) = 7``; with a floor of 9 the
+    round holds 4 x 5 x 9 = 180 samples, more than the step (documented)."""
+    from lightning_partial.collectives import RoundStats
+
+    class Sampler:
+        batch_size = 64
+
+    class Strategy:
+        sampler, loader_batch_sizes, sync_round_samples, micro_batches_per_round = Sampler(), (64, 64, 8, 8), 144, 1
+
+    for floor, size in ((1, 7), (9, 9)):
+        callback = AdaptiveBatchSize(window=1, log=False, min_batch_size=floor)
+        callback._strategy = Strategy()
+        callback._on_round(0, RoundStats(
+            round_index=0, activator=-1, initiator=None, synchronous=True, flush=False, fresh=(),
+            counts=(8, 8, 8, 8), staleness=(0,) * 4, oldest_staleness=(0,) * 4, progress=(), dropped=(0,) * 4,
+            contributions=32, divisor=32.0, busy=(0.1,) * 4))
+        assert callback.bases == (64, 64, 8, 8) and callback.base == 64
+        assert callback.sizes == (size,) * 4 and callback.micro_batches == (5,) * 4, (callback.sizes, floor)
+        assert callback._strategy.sampler.batch_size == size and callback._strategy.micro_batches_per_round == 5
 
 
 def test_step_lags_count_the_optimizer_steps_between_a_gradients_weights_and_its_step(tmp_path):
@@ -526,6 +550,79 @@ def test_synchronous_rounds_split_by_speed_keep_lock_step_when_the_ranks_loaders
         assert len(set(counts)) == 1, updates
     batches = [r["epoch_batches"] for r in records]
     assert all(b == batches[0] for b in batches), batches
+
+
+@pytest.mark.timeout(300)
+def test_ranks_whose_datasets_differ_in_length_fail_at_the_start_naming_them(tmp_path):
+    """An epoch is counted in global samples: ranks whose train datasets differ in length would end their epochs
+    (and start the synchronous finish) at different rounds, so the fit fails at its start, on every rank."""
+    proc = subprocess.run(
+        fit_command(tmp_path / "run", "--strategy", "abs_sgd", "--rank-dataset-sizes", "2048,2048,2048,1024",
+                    "--max-epochs", "1", launch="fork"),
+        env=FIT_ENV, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode != 0
+    assert ("the ranks' train datasets differ in length (rank 0: 2048, rank 1: 2048, rank 2: 2048, rank 3: 1024 "
+            "samples)") in proc.stderr, proc.stderr[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_reloaded_loaders_keep_the_adapted_sizes(tmp_path):
+    """``reload_dataloaders_every_n_epochs=1`` with AdaptiveBatchSize (AdamW, split rounds): the loader built for
+    the second epoch keeps the sizes the callback set (a fresh sampler at the loader's 16 with the count still
+    at n would make every round hold about n steps): every rank draws about as many batches in the second epoch
+    as in the first, the same on every rank, and the replicas end bit-identical."""
+    out = tmp_path / "run"
+    records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--optimizer", "adamw", "--adaptive",
+                      "--reload-dataloaders")
+    assert_identical(out)
+    batches = [r["epoch_batches"] for r in records]
+    assert all(b == batches[0] for b in batches), batches
+    first, second = batches[0]
+    assert second >= 0.8 * first, batches
+    updates = records[0]["adaptive"]
+    assert any(max(u[2]) > 1 for u in updates), updates
+    # The second epoch's first batches have the sizes of an update (a fresh sampler: the loader's 16 everywhere).
+    sizes = [r["epoch_first_batch"][1] for r in records]
+    assert sizes in [u[1] for u in updates] and sizes != [16] * 4, (sizes, updates)
+
+
+def test_a_users_elastic_sampler_leaves_the_fit_at_its_own_batch_size(tmp_path):
+    """A ``DataLoader(batch_sampler=ElasticBatchSampler(...))`` of the user's, resized during the fit (as
+    AdaptiveBatchSize does), is back at its own size after the fit, so the next fit starts from it."""
+    import lightning as L
+
+    from lightning_partial.data import ElasticBatchSampler
+
+    class Resize(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            trainer.strategy.sampler.batch_size = 3
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+    sampler = ElasticBatchSampler(64, batch_size=8, num_replicas=1, rank=0)
+    sizes = []
+    for _ in range(2):
+        strategy = ABSSGDStrategy()
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=3, logger=False,
+                            callbacks=[Resize()], enable_progress_bar=False, enable_model_summary=False,
+                            use_distributed_sampler=False,
+                            default_root_dir=tmp_path)
+        with in_process_fit():
+            trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_sampler=sampler))
+        sizes.append((strategy.loader_batch_sizes, sampler.batch_size))
+    assert sizes == [((8,), 8), ((8,), 8)], sizes
 
 
 def test_asynchronous_round_options_warn_when_every_round_is_synchronous(tmp_path, caplog):

@@ -10,40 +10,50 @@ workers finishing their batches together):
     b_i = clamp(round(B_i * s_i / max_j s_j), min_batch_size, B_i)
 
 where ``B_i`` is rank ``i``'s loader batch size (the fastest rank keeps it;
-the ranks exchange them once, at the start of training) and ``s_i``
+the strategy agrees on every rank's when its engines start) and ``s_i``
 rank ``i``'s samples per round over the last ``window`` rounds (its share of
 the work; every rank is always busy, so that is its throughput). In
 synchronous rounds (``abs_sgd(delay=0)``, and its synchronous finish) every
 rank contributes one micro-batch per round whatever its speed, so the shares
 would only repeat the sizes: when every round of the window is synchronous,
 ``s_i`` is rank ``i``'s samples per second of its own work (the header's
-``busy`` seconds: from each of its deposits' return to the next, waits for
-the other ranks excluded), and the ranks split the strategy's step
+``busy`` seconds: from each of its deposits' return to the next, waits in
+the round excluded), and the ranks split the strategy's step
 (``sync_round_samples``, ``R``: DDP's global batch by default) by speed:
 
     q_i = R * s_i / sum_j s_j,  n = max_j ceil(q_j / B_j),  b_i = clamp(round(q_i / n), min_batch_size, B_i)
 
-every rank deposits ``n`` micro-batches, rank ``i`` of ``b_i``, and arrives at
+Every rank deposits ``n`` micro-batches, rank ``i`` of ``b_i``, and arrives at
 the round with the last (the first ``n - 1`` are held, ``DelayedAllreduce.deposit(
-arrive=False)``): every share takes about as long, a round holds about one
-step, so its allreduce and its wait for the slowest are paid once per step,
-no micro-batch exceeds the loader's batch size, and the ranks still run their
-batches in lock-step (a per-batch collective, ``sync_dist`` logging or a
-``max_time`` Timer's broadcast, pairs the same batches; with a count per rank
-a rank holding a micro-batch would wait in it for one waiting in the round)
-(one micro-batch per rank
-and round, the fastest at ``B`` (the same on every rank), would make rounds of ``B * sum_j s_j /
-max_j s_j`` samples: under speeds 1, 1, 0.5, 0.25 and ``R = 4B``, 1.45
-rounds per step, each waiting for the slowest). A batch that ends an epoch or
-the fit arrives whatever its count. Without a step size (``step_samples`` and
-``reference_samples`` both ``None``) synchronous rounds keep one micro-batch
-per rank, sized by the first rule on the measured speeds. The
-per-rank samples travel in every round's header, so every rank computes the
-same sizes for every rank at the same round, with no collective, and rank 0
-can log all of them: ``abs/batch_size`` (this rank's), ``abs/batch_size_rank{i}``,
-``abs/micro_batches_rank{i}`` and ``abs/samples_per_round_rank{i}``. Sizes are updated every ``window``
-rounds; the next batch drawn has the new size (the strategy's
-:class:`~lightning_partial.data.ElasticBatchSampler`).
+arrive=False)``): every share takes about as long, and a round holds about one
+step, so its allreduce and its wait for the slowest are paid once per step
+(one micro-batch per rank and round, the fastest at ``B``, would make rounds
+of ``B * sum_j s_j / max_j s_j`` samples: under speeds 1, 1, 0.5, 0.25 and
+``R = 4B``, 1.45 rounds per step, each waiting for the slowest). No
+micro-batch exceeds its rank's loader batch, and the count is the same on
+every rank, so the ranks run their batches in lock-step: a collective that
+every rank issues once per batch (``sync_dist`` logging, ``all_gather``, a
+``max_time`` Timer's broadcast) pairs the same batches (with a count per
+rank, a rank holding a micro-batch would wait in it for a rank waiting in
+the round, until the timeout). What the shared count costs: the rank with
+the largest share relative to its loader batch sets ``n`` (loaders of 64, 64,
+8 and 8 at equal speeds make ``n = 5``: the 64-sample loaders run five
+micro-batches of about 7); the ``min_batch_size`` floor is paid ``n`` times,
+so a round can hold more than ``R``; and a per-batch collective's wait for
+the slowest rank counts as work in ``busy`` for the held micro-batches, which
+slows the adaptation (the sizes still settle where the shares balance). A
+batch that ends an epoch or the fit arrives whatever its count. Without a
+step size (``step_samples`` and ``reference_samples`` both ``None``)
+synchronous rounds keep one micro-batch per rank, sized by the first rule on
+the measured speeds. The per-rank samples and busy seconds travel in every
+round's header, so every rank computes the same sizes for every rank at the
+same round, with no collective beyond the strategy's one at the start, and
+rank 0 can log all of them: ``abs/batch_size`` (this rank's),
+``abs/batch_size_rank{i}``, ``abs/micro_batches_rank{i}`` and
+``abs/samples_per_round_rank{i}``. Sizes are updated every ``window`` rounds;
+the next batch drawn has the new size (the strategy's
+:class:`~lightning_partial.data.ElasticBatchSampler`). A new fit starts over
+from the loaders' sizes.
 """
 
 from __future__ import annotations
@@ -52,7 +62,6 @@ import math
 from collections import deque
 from typing import Any, Optional
 
-import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -89,7 +98,7 @@ class AdaptiveBatchSize(Callback):
         # Per round: (samples, busy seconds, synchronous), every rank's.
         self._counts: deque[tuple[tuple[int, ...], tuple[float, ...], bool]] = deque(maxlen=window)
         self._rank = 0
-        self._sampler: Any = None
+        self._strategy: Any = None
         self._pending_log: Optional[dict[str, float]] = None
 
     @override
@@ -110,21 +119,23 @@ class AdaptiveBatchSize(Callback):
 
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        sampler = getattr(self._strategy, "sampler", None)
-        if sampler is None:
+        if getattr(self._strategy, "sampler", None) is None:
             raise RuntimeError("AdaptiveBatchSize: the abs_sgd strategy has no elastic sampler")
-        self._sampler = sampler
-        self.base = sampler.batch_size
-        # Every rank's loader batch (they may differ): one all_gather on the strategy's collective group, main
-        # thread, every rank, before the first batch. The rules need them all: the same micro-batch count on
-        # every rank, and the sizes rank 0 logs for the others.
-        gathered = trainer.strategy.all_gather(torch.tensor([self.base], dtype=torch.int64))
-        self.bases = tuple(int(b) for b in gathered.reshape(-1).tolist())
+        # A new fit measures afresh (the strategy starts it at one micro-batch per round, the loaders' sizes).
+        self.base = self.bases = self.sizes = self.micro_batches = self._pending_log = None
+        self._counts.clear()
 
     def _on_round(self, index: int, stats: RoundStats) -> None:
         """Strategy's thread (the training loop), for every round applied, in order: the same on every rank."""
-        if index != 0 or self.bases is None or stats.flush:
+        if index != 0 or stats.flush:
             return
+        if self.bases is None:
+            # Every rank's loader batch (they may differ), agreed by the strategy when its engines started: the
+            # rules need them all (the same micro-batch count on every rank; the sizes rank 0 logs).
+            bases = getattr(self._strategy, "loader_batch_sizes", None)
+            if bases is None:
+                return
+            self.bases, self.base = tuple(bases), bases[self._rank]
         self._counts.append((stats.counts, stats.busy, stats.synchronous))
         if len(self._counts) < self.window or (stats.round_index + 1) % self.window:
             return
@@ -133,7 +144,7 @@ class AdaptiveBatchSize(Callback):
         top = max(shares)
         if top <= 0:
             return
-        round_samples = getattr(getattr(self, "_strategy", None), "sync_round_samples", None)
+        round_samples = getattr(self._strategy, "sync_round_samples", None)
         split = synchronous and round_samples is not None
         if split:
             sizes, counts = self._split(round_samples, shares)
@@ -144,10 +155,9 @@ class AdaptiveBatchSize(Callback):
             counts = (1,) * len(sizes)
         self.sizes, self.micro_batches = sizes, counts
         self.history.append((stats.round_index, sizes, counts, split))
-        self._sampler.batch_size = sizes[self._rank]
-        strategy = getattr(self, "_strategy", None)
-        if strategy is not None:
-            strategy.micro_batches_per_round = counts[self._rank]
+        strategy = self._strategy
+        strategy.sampler.batch_size = sizes[self._rank]  # the current sampler (a reloaded loader has a new one)
+        strategy.micro_batches_per_round = counts[self._rank]
         per_round = [n / len(self._counts) for n in samples]
         self._pending_log = {
             "abs/batch_size": float(sizes[self._rank]),
@@ -194,6 +204,6 @@ class AdaptiveBatchSize(Callback):
 
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        strategy = getattr(self, "_strategy", None)
+        strategy = self._strategy
         if strategy is not None and self._on_round in strategy.round_listeners:
             strategy.round_listeners.remove(self._on_round)

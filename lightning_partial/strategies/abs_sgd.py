@@ -57,14 +57,14 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   no staleness rule, and ``trigger``, ``target_samples``, ``interval`` and
   ``final_sync`` have nothing left to do. The ranks still contribute different
   samples (with :class:`~lightning_partial.callbacks.AdaptiveBatchSize`, each
-  rank's share of a step sized to its measured speed, as one or more
-  micro-batches, so that the ranks finish together and a round is one step);
+  rank's share of a step sized to its measured speed, as the same number of
+  micro-batches on every rank, so that the ranks finish together and a round is one step);
   what a round costs beyond the slowest share is its allreduce, no longer
   hidden behind the next micro-batches. ``"auto"`` (default): ``0`` when every
   optimizer is Adam-like (``betas``) or an ``AdaptiveBatchSize`` callback is in
   the fit, ``1`` otherwise. Under AdamW no update rule made a result one round
   late as good as a fresh one; under SGD momentum with ``AdaptiveBatchSize``
-  the delay bought 1.2x the samples/s for 1.5-1.7 points, and the synchronous
+  the delay bought 1.2x the samples/s for 1.6 points, and the synchronous
   rounds reach DDP's final loss in two thirds of its time (docs/staleness.md).
   Without ``AdaptiveBatchSize`` (speeds that vary from batch to batch) the
   synchronous rounds would wait for every straggler, as DDP does.
@@ -237,8 +237,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             the end. In ``[0, 1)``. A fit with neither bound runs without it (a warning).
             Nothing to do with ``delay=0``.
         delay: the rounds a result waits before it is applied: ``1`` (the paper's
-            one-round delay), ``0`` (synchronous rounds throughout, results applied at
-            once; pair it with ``AdaptiveBatchSize`` under heterogeneous ranks, or the
+            one-round delay), ``0`` (synchronous rounds throughout, each result applied as
+            the round completes; pair it with ``AdaptiveBatchSize`` under heterogeneous ranks, or the
             slowest rank's micro-batch paces every round), or ``"auto"`` (default):
             ``0`` when every optimizer is Adam-like (``torch.optim.Adam``, ``AdamW``
             and others with ``betas``) or an ``AdaptiveBatchSize`` callback is in the
@@ -302,13 +302,20 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self.delay = delay
         self._delay: Optional[int] = None  # resolved at set-up (from the optimizers under "auto")
         self.sampler: Optional[ElasticBatchSampler] = None
+        #: Every rank's loader batch size at the start of this fit (agreed when the engines start: one
+        #: all_gather on the collective group); ``AdaptiveBatchSize`` sizes every rank from them.
+        self.loader_batch_sizes: Optional[tuple[int, ...]] = None
+        # A DataLoader(batch_sampler=ElasticBatchSampler(...)) of the user's and its batch size before this fit
+        # (AdaptiveBatchSize resizes it; teardown restores it, so the next fit starts from the user's size).
+        self._user_sampler: Optional[tuple[ElasticBatchSampler, int]] = None
         self._epoch_samples: Optional[int] = None
         self._batch_samples = 0
         self._last_rounds: dict[int, int] = {}  # agreed at the end of fit
         # The ModelCheckpoint(every_n_train_steps=n) callbacks this strategy triggers.
         self._step_checkpoints: list[_StepCheckpoint] = []
-        #: This rank's micro-batches per synchronous round (``AdaptiveBatchSize`` sets it, the same rule on every
-        #: rank; main thread only): the first ``n - 1`` of each round are deposited without arriving.
+        #: Micro-batches per synchronous round (``AdaptiveBatchSize`` sets it at the same round on every rank, to
+        #: the same value: the ranks' batches stay in lock-step, so a per-batch collective pairs the same batches;
+        #: main thread only): the first ``n - 1`` of each round are deposited without arriving.
         self.micro_batches_per_round = 1
         #: The samples AdaptiveBatchSize makes a synchronous round hold (resolved at the start of fit).
         self.sync_round_samples: Optional[int] = None
@@ -356,7 +363,11 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         if trainer is None or not trainer.training or not isinstance(dataloader, DataLoader):
             return dataloader
         batch_sampler = dataloader.batch_sampler
+        # A reload (reload_dataloaders_every_n_epochs) in this fit keeps the size AdaptiveBatchSize set.
+        adapted = self.sampler.batch_size if self._engines and self.sampler is not None else None
         if isinstance(batch_sampler, ElasticBatchSampler):
+            if self._user_sampler is None or self._user_sampler[0] is not batch_sampler:
+                self._user_sampler = (batch_sampler, batch_sampler.batch_size)
             self.sampler = batch_sampler
         else:
             sampler = getattr(batch_sampler, "sampler", None)
@@ -390,8 +401,38 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                 generator=dataloader.generator,
                 **extra,
             )
+        if adapted is not None:
+            self.sampler.batch_size = adapted
         self._epoch_samples = self.sampler.num_samples
         return dataloader
+
+    def _agree_loaders(self) -> tuple[int, ...]:
+        """Every rank, main thread, collective group, once per fit: every rank's loader batch size.
+
+        One all_gather of ``(batch size, epoch samples)``. The epoch (the dataset's length) must be the same
+        on every rank: the ranks end their epochs, and start the synchronous finish, at the same round only
+        if they count to the same global samples. Raises a ``ValueError`` naming the ranks' lengths if not.
+        """
+        assert self.sampler is not None
+        mine = torch.tensor([self.sampler.batch_size, self.sampler.num_samples], dtype=torch.int64)
+        rows = [mine]
+        if self.world_size > 1:
+            rows = [torch.zeros_like(mine) for _ in range(self.world_size)]
+            try:  # bounded by the collective group's timeout
+                dist.all_gather(rows, mine, group=self.collective_group)
+            except RuntimeError as err:
+                raise PartialCollectiveError(
+                    f"abs_sgd: agreeing on the ranks' loaders (batch sizes and epoch lengths) at the start of "
+                    f"fit failed: {err}", rank=self.global_rank, round_index=0,
+                ) from err
+        lengths = [int(r[1]) for r in rows]
+        if len(set(lengths)) > 1:
+            each = ", ".join(f"rank {i}: {n}" for i, n in enumerate(lengths))
+            raise ValueError(
+                f"abs_sgd: the ranks' train datasets differ in length ({each} samples): an epoch must be the "
+                "same global samples on every rank"
+            )
+        return tuple(int(r[0]) for r in rows)
 
     def _delayed_config(self, target_samples: Optional[int], reference_samples: Any, **fit: Any) -> DelayedConfig:
         """The engine's configuration from this strategy's options and ``fit``'s (epochs, rounds, name)."""
@@ -414,23 +455,13 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         if self.trigger == "samples" and target is None:
             target = self.sampler.batch_size
         reference, step = self.reference_samples, self.step_samples
+        if index == 0 or self.loader_batch_sizes is None:
+            self.loader_batch_sizes = self._agree_loaders()
         global_batch: Optional[int] = None
         if GLOBAL_BATCH in (reference, step):
-            # Every rank must divide by (and step at) the same B: one SUM of the ranks' loader batch
-            # sizes (every rank, main thread, collective group, once per engine). World size x batch
-            # size when the sizes are equal; a per-rank ElasticBatchSampler or one AdaptiveBatchSize
-            # resized in an earlier fit may differ.
-            sizes = torch.tensor([self.sampler.batch_size], dtype=torch.int64)
-            if self.world_size > 1:
-                try:  # bounded by the collective group's timeout
-                    dist.all_reduce(sizes, op=dist.ReduceOp.SUM, group=self.collective_group)
-                except RuntimeError as err:
-                    raise PartialCollectiveError(
-                        f"abs_sgd: agreeing on the global batch (the ranks' loader batch sizes, for "
-                        f"reference_samples and step_samples) at the start of fit failed: {err}",
-                        rank=self.global_rank, round_index=0,
-                    ) from err
-            global_batch = int(sizes.item())
+            # Every rank must divide by (and step at) the same B: the sum of the ranks' loader batch sizes.
+            # World size x batch size when the sizes are equal; per-rank loaders may differ.
+            global_batch = sum(self.loader_batch_sizes)
         reference = global_batch if reference == GLOBAL_BATCH else reference
         self._accumulator.step_samples = global_batch if step == GLOBAL_BATCH else cast(Optional[int], step)
         self._accumulator.reference_samples = cast(Optional[int], reference)
@@ -576,8 +607,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             prediction.release(index, saved)  # not held while the results are applied
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         samples = max(self._batch_samples, 1)
-        # In synchronous rounds a rank whose share is several micro-batches arrives with the last of them
-        # (the engine ignores ``arrive`` in asynchronous rounds). Steps happen only at arrivals, so every rank
+        # In synchronous rounds every rank arrives with the last of its ``micro_batches_per_round`` (the same
+        # count on every rank: the ranks' batches stay in lock-step; the engine ignores ``arrive`` in
+        # asynchronous rounds). Steps happen only at arrivals, so every rank
         # reaches a step checkpoint's save (at the next batch start) before it deposits again.
         held = self._held.get(index, 0) + 1
         arrive = self._arrive_now or held >= self.micro_batches_per_round
@@ -711,6 +743,14 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             self._last_rounds = self._quiesce()
         _compat.restore_scheduler_stepping(self._trainer)
         super().on_train_end()
+
+    @override
+    def teardown(self) -> None:
+        if self._user_sampler is not None:  # the user's sampler leaves this fit at the size it came with
+            sampler, size = self._user_sampler
+            sampler.batch_size = size
+            self._user_sampler = None
+        super().teardown()
 
     @override
     def save_checkpoint(

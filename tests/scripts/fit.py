@@ -135,10 +135,15 @@ class EpochProbe(L.Callback):
     def __init__(self) -> None:
         self.batches: list[int] = []
         self.samples: list[int] = []
+        self.first_sizes: list[int] = []  # the size of each epoch's first batch
 
     def on_train_epoch_start(self, trainer, pl_module):
         self.batches.append(0)
         self.samples.append(0)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if not self.batches or not self.batches[-1]:
+            self.first_sizes.append(len(batch[0] if isinstance(batch, (list, tuple)) else batch))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if not self.batches:  # resumed mid-epoch: Lightning skips the epoch start
@@ -225,6 +230,10 @@ def main() -> None:
     parser.add_argument("--exit-at", default=None, help="BATCH:RANK: that rank calls sys.exit(0) in that step")
     parser.add_argument("--rank-batch-sizes", default=None,
                         help="one loader batch size per rank, e.g. 16,16,8,8 (default: 16 on every rank)")
+    parser.add_argument("--rank-dataset-sizes", default=None,
+                        help="one train dataset length per rank (the first N samples), e.g. 2048,2048,2048,1024")
+    parser.add_argument("--reload-dataloaders", action="store_true",
+                        help="Trainer(reload_dataloaders_every_n_epochs=1)")
     add_launch_option(parser)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -239,10 +248,13 @@ def main() -> None:
     dataset = TensorDataset(x, y)
     loader: DataLoader | None = DataLoader(dataset, batch_size=16, shuffle=True)
     model = Regressor(batchnorm=args.batchnorm, unused=args.unused, rank0_only=args.rank0_only)
-    if args.rank_batch_sizes is not None:
-        sizes = [int(b) for b in args.rank_batch_sizes.split(",")]
+    if args.rank_batch_sizes is not None or args.rank_dataset_sizes is not None:
+        sizes = [int(b) for b in (args.rank_batch_sizes or "16,16,16,16").split(",")]
+        lengths = [int(n) for n in (args.rank_dataset_sizes or "2048,2048,2048,2048").split(",")]
         # Lightning asks for the loader in each rank (a forked rank too), once its rank is known.
-        model.train_dataloader = lambda: DataLoader(dataset, batch_size=sizes[model.global_rank], shuffle=True)
+        model.train_dataloader = lambda: DataLoader(
+            torch.utils.data.Subset(dataset, range(lengths[model.global_rank])),
+            batch_size=sizes[model.global_rank], shuffle=True)
         loader = None
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.step_scheduler = args.step_scheduler
@@ -325,6 +337,7 @@ def main() -> None:
         record["lr"] = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
         record["epoch_batches"] = epochs.batches
         record["epoch_samples"] = epochs.samples
+        record["epoch_first_batch"] = epochs.first_sizes
         record["before_optimizer_steps"] = getattr(epochs, "before_steps", 0)
         last = getattr(trainer.strategy, "round_stats", {}).get(0)
         record["last_round"] = {"round": last.round_index, "flush": last.flush,
@@ -367,6 +380,7 @@ def main() -> None:
         devices=args.devices,
         max_steps=-1 if args.max_epochs is not None else args.steps,
         max_epochs=args.max_epochs,
+        reload_dataloaders_every_n_epochs=1 if args.reload_dataloaders else 0,
         callbacks=callbacks,
         logger=loggers or False,
         log_every_n_steps=1,
