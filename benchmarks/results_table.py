@@ -82,6 +82,7 @@ MAIN_JOB_FILES: tuple[str, ...] = (
 #: The main job with AdamW (the translation Transformer), its seeds likewise.
 MAIN_JOB_ADAMW_FILES: tuple[str, ...] = (
     "main_job_transformer.json", "main_job_transformer_seed1.json", "main_job_transformer_seed2.json",
+    "main_job_transformer_seed3.json", "main_job_transformer_seed4.json",
 )
 
 
