@@ -87,8 +87,6 @@ class AdaptiveBatchSize(Callback):
         self.window = window
         self.min_batch_size = min_batch_size
         self.log = log
-        self.base: Optional[int] = None  # this rank's loader batch size
-        self.bases: Optional[tuple[int, ...]] = None  # every rank's, exchanged at the start of training
         self.sizes: Optional[tuple[int, ...]] = None  # every rank's current size
         #: Every rank's micro-batches per synchronous round (1 each under the asynchronous rule).
         self.micro_batches: Optional[tuple[int, ...]] = None
@@ -122,20 +120,25 @@ class AdaptiveBatchSize(Callback):
         if getattr(self._strategy, "sampler", None) is None:
             raise RuntimeError("AdaptiveBatchSize: the abs_sgd strategy has no elastic sampler")
         # A new fit measures afresh (the strategy starts it at one micro-batch per round, the loaders' sizes).
-        self.base = self.bases = self.sizes = self.micro_batches = self._pending_log = None
+        self.sizes = self.micro_batches = self._pending_log = None
         self._counts.clear()
+
+    @property
+    def bases(self) -> Optional[tuple[int, ...]]:
+        """Every rank's loader batch size (they may differ), as the strategy agreed them when its engines
+        started: the rules need them all (the same micro-batch count on every rank; the sizes rank 0 logs)."""
+        return getattr(self._strategy, "loader_batch_sizes", None)
+
+    @property
+    def base(self) -> Optional[int]:
+        """This rank's loader batch size."""
+        bases = self.bases
+        return None if bases is None else bases[self._rank]
 
     def _on_round(self, index: int, stats: RoundStats) -> None:
         """Strategy's thread (the training loop), for every round applied, in order: the same on every rank."""
-        if index != 0 or stats.flush:
+        if index != 0 or stats.flush or self.bases is None:
             return
-        if self.bases is None:
-            # Every rank's loader batch (they may differ), agreed by the strategy when its engines started: the
-            # rules need them all (the same micro-batch count on every rank; the sizes rank 0 logs).
-            bases = getattr(self._strategy, "loader_batch_sizes", None)
-            if bases is None:
-                return
-            self.bases, self.base = tuple(bases), bases[self._rank]
         self._counts.append((stats.counts, stats.busy, stats.synchronous))
         if len(self._counts) < self.window or (stats.round_index + 1) % self.window:
             return

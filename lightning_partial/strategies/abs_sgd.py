@@ -455,8 +455,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         if self.trigger == "samples" and target is None:
             target = self.sampler.batch_size
         reference, step = self.reference_samples, self.step_samples
-        if index == 0 or self.loader_batch_sizes is None:
+        if not self._engines:  # the fit's first engine (an optimizer without trainable parameters has none)
             self.loader_batch_sizes = self._agree_loaders()
+        assert self.loader_batch_sizes is not None
         global_batch: Optional[int] = None
         if GLOBAL_BATCH in (reference, step):
             # Every rank must divide by (and step at) the same B: the sum of the ranks' loader batch sizes.
