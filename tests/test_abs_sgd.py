@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import lightning_partial
 from lightning_partial import ABSSGDStrategy
 from lightning_partial.callbacks import AdaptiveBatchSize, StalenessTracker
 from tests.distributed import in_process_fit
+from tests import forkrun
 from lightning_partial.strategies.accumulation import ACCUMULATED_KEY
 from lightning_partial.strategies.prediction import LAST_UPDATE_KEY
 from lightning_partial.strategies.step_lag import StepLag
@@ -65,10 +65,7 @@ def test_adaptive_batch_size_bad_input():
 
 def run_fit(out: Path, *extra: str, launch: str = "fork") -> list[dict]:
     """A 4-process abs_sgd fit of tests/scripts/fit.py (``launch``: its ``--launch``); the rank records."""
-    proc = subprocess.run(
-        fit_command(out, "--strategy", "abs_sgd", *extra, launch=launch), env=FIT_ENV, capture_output=True, text=True,
-        timeout=240,
-    )
+    proc = forkrun.run(fit_command(out, "--strategy", "abs_sgd", *extra, launch=launch), env=FIT_ENV, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
 
@@ -556,10 +553,10 @@ def test_synchronous_rounds_split_by_speed_keep_lock_step_when_the_ranks_loaders
 def test_ranks_whose_datasets_differ_in_length_fail_at_the_start_naming_them(tmp_path):
     """An epoch is counted in global samples: ranks whose train datasets differ in length would end their epochs
     (and start the synchronous finish) at different rounds, so the fit fails at its start, on every rank."""
-    proc = subprocess.run(
+    proc = forkrun.run(
         fit_command(tmp_path / "run", "--strategy", "abs_sgd", "--rank-dataset-sizes", "2048,2048,2048,1024",
                     "--max-epochs", "1", launch="fork"),
-        env=FIT_ENV, capture_output=True, text=True, timeout=240,
+        env=FIT_ENV, timeout=240,
     )
     assert proc.returncode != 0
     assert ("the ranks' train datasets differ in length (rank 0: 2048, rank 1: 2048, rank 2: 2048, rank 3: 1024 "

@@ -14,6 +14,7 @@ import torch
 
 import lightning_partial
 from lightning_partial import EagerSGDStrategy
+from tests import forkrun
 
 SCRIPT = "tests.scripts.fit"  # run as `python -m` from the repository root
 
@@ -74,10 +75,7 @@ def fit_command(out: Path, *extra: str, launch: str = "popen") -> list[str]:
 def fit(tmp_path: Path, strategy: str, *extra: str, launch: str = "fork") -> list[dict[str, torch.Tensor]]:
     """A 4-process fit (``launch``: see :func:`fit_command`); the ranks' final states."""
     out = tmp_path / strategy.replace(":", "_")
-    proc = subprocess.run(
-        fit_command(out, "--strategy", strategy, *extra, launch=launch), env=FIT_ENV, capture_output=True, text=True,
-        timeout=240,
-    )
+    proc = forkrun.run(fit_command(out, "--strategy", strategy, *extra, launch=launch), env=FIT_ENV, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt") for r in range(4)]
 
@@ -108,18 +106,13 @@ def test_sync_mode_reaches_the_same_weights_as_ddp(tmp_path):
         torch.testing.assert_close(ours[key], value, rtol=0, atol=1e-6)
 
 
-def start_fit(out: Path, *extra: str, launch: str = "popen") -> subprocess.Popen:
+def start_fit(out: Path, *extra: str, launch: str = "popen") -> forkrun.Forked | subprocess.Popen:
     """A long fit (one 5 ms straggler per step) that a test then signals (``launch``: see :func:`fit_command`)."""
-    return subprocess.Popen(
-        fit_command(out, "--steps", "100000", "--straggle-ms", "5", *extra, launch=launch),
-        env=FIT_ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return forkrun.start(fit_command(out, "--steps", "100000", "--straggle-ms", "5", *extra, launch=launch),
+                         env=FIT_ENV)
 
 
-def signal_rank_when_running(proc: subprocess.Popen, out: Path, rank: int, signum: int) -> str:
+def signal_rank_when_running(proc: forkrun.Forked | subprocess.Popen, out: Path, rank: int, signum: int) -> str:
     """Waits for the 4 ranks' pid files, lets some steps run, signals ``rank``; returns stderr."""
     import time
 
@@ -220,7 +213,7 @@ def test_sys_exit_in_a_forked_rank_ends_the_fit_with_a_clear_error(tmp_path):
     # after the 30 s torch gives them between its SIGTERM and its SIGKILL.
     command = fit_command(out, "--steps", "100000", "--exit-at", "3:2", "--strategy-kw", '{"collective_timeout": 3}',
                           launch="fork")
-    proc = subprocess.run(command, env=FIT_ENV, capture_output=True, text=True, timeout=240)
+    proc = forkrun.run(command, env=FIT_ENV, timeout=240)
     assert proc.returncode != 0
     assert "rank 2 (local process 2) raised SystemExit(0) inside the fit" in proc.stderr, proc.stderr[-3000:]
 
@@ -229,8 +222,7 @@ def fit_identical(out: Path, *options: str, launch: str = "fork") -> list[dict]:
     """A 4-process fit of tests/scripts/fit.py; asserts it succeeded with bit-identical replicas; the rank records."""
     import json
 
-    proc = subprocess.run(fit_command(out, *options, launch=launch), env=FIT_ENV, capture_output=True, text=True,
-                          timeout=240)
+    proc = forkrun.run(fit_command(out, *options, launch=launch), env=FIT_ENV, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_identical(out)
     return [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY
+from tests import forkrun
 
 SCRIPT = "tests.scripts.exact"  # run as `python -m` from the repository root
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -30,13 +31,8 @@ def run(out: Path, *extra: str) -> list[dict]:
     """A 4-process fit of tests/scripts/exact.py; the rank records. Forked ranks (no imports of their own)
     unless the fit evaluates after it (``--evaluate`` needs the script launcher)."""
     launch = "popen" if "--evaluate" in extra else "fork"
-    proc = subprocess.run(
-        [sys.executable, "-m", SCRIPT, "--out", str(out), "--launch", launch, *extra],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
+    proc = forkrun.run([sys.executable, "-m", SCRIPT, "--out", str(out), "--launch", launch, *extra], env=ENV,
+                       timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
@@ -179,10 +175,10 @@ def test_overlap_resume_applies_the_round_in_flight_at_the_save(tmp_path):
     assert first[0]["final"]["w"] == expected(first[0]["w0"]["w"], computed(first), lr=first[0]["lr"], world=4)
 
     # Without overlap the held result would be lost: refused, until dropped explicitly.
-    refused = subprocess.run(
+    refused = forkrun.run(
         [sys.executable, "-m", SCRIPT, "--out", str(tmp_path / "refused"), "--strategy", "eager_sgd", "--steps", "10",
          "--resume", str(tmp_path / "first" / "mid.ckpt"), "--launch", "fork"],
-        env=ENV, capture_output=True, text=True, timeout=200,
+        env=ENV, timeout=200,
     )
     assert refused.returncode != 0 and "saved with overlap=True" in refused.stdout + refused.stderr
     from lightning_partial.strategies.checkpoint import drop_engine_state

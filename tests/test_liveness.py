@@ -28,6 +28,7 @@ import torch.distributed as dist
 from lightning_partial.collectives import Heartbeat
 
 from tests.scripts.ports import free_port
+from tests import forkrun
 
 SCRIPT = "tests.scripts.fit"  # run as `python -m` from the repository root
 WORLD = 4
@@ -221,11 +222,10 @@ def test_a_rank_slower_than_the_collective_bound_is_not_declared_dead(tmp_path: 
     """Rank 1 sleeps 3x ``collective_timeout`` inside one training step: the fit completes, replicas identical.
     (Forked ranks: nothing here needs a process of its own per rank, and they skip the imports.)"""
     out = tmp_path / strategy
-    proc = subprocess.run(
+    proc = forkrun.run(
         [sys.executable, "-m", SCRIPT, "--out", str(out), "--devices", str(WORLD), "--launch", "fork",
          *strategy_options(strategy), "--steps", "16", "--sleep-at", f"5:1:{3 * COLLECTIVE_TIMEOUT_S}"],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True,
-        timeout=200, stdin=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}, timeout=200,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     states = [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]

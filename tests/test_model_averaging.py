@@ -17,6 +17,7 @@ from lightning_partial import DSSyncStrategy, WAGMAStrategy
 from lightning_partial.callbacks import GroupRotation
 from lightning_partial.collectives import ButterflySchedule, ShuffleSchedule
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY
+from tests import forkrun
 from tests.test_eager_sgd import FIT_ENV, assert_identical, assert_stopped_alike, fit_command, signal_rank_when_running
 
 
@@ -92,10 +93,7 @@ def test_default_schedules():
 
 def run_fit(out: Path, strategy: str, *extra: str, launch: str = "fork") -> list[dict]:
     """A 4-process fit of tests/scripts/fit.py (``launch``: its ``--launch``); the rank records."""
-    proc = subprocess.run(
-        fit_command(out, "--strategy", strategy, *extra, launch=launch), env=FIT_ENV, capture_output=True, text=True,
-        timeout=240,
-    )
+    proc = forkrun.run(fit_command(out, "--strategy", strategy, *extra, launch=launch), env=FIT_ENV, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
 
@@ -221,10 +219,10 @@ def test_resume_across_families_is_refused_unless_the_engine_state_is_dropped(tm
     run_fit(first, "eager_sgd", "--straggle-ms", "10", "--steps", "8", "--save-at", "4")
     assert torch.load(first / "mid.ckpt", weights_only=False)[CHECKPOINT_KEY]["family"] == "gradients"
     refused = tmp_path / "refused"
-    proc = subprocess.run(
+    proc = forkrun.run(
         fit_command(refused, "--strategy", "wagma_sgd", "--steps", "8", "--rotation", "2", "--resume",
                     str(first / "mid.ckpt"), launch="fork"),
-        env=FIT_ENV, capture_output=True, text=True, timeout=240,
+        env=FIT_ENV, timeout=240,
     )
     assert proc.returncode != 0
     assert "CheckpointMismatchError" in proc.stderr and "written by strategy 'eager_sgd'" in proc.stderr, (
@@ -233,10 +231,10 @@ def test_resume_across_families_is_refused_unless_the_engine_state_is_dropped(tm
     assert not (refused / "pids").exists()  # refused before on_train_start on every rank: no batch ran
     drop_engine_state(first / "mid.ckpt", first / "weights.ckpt")
     second = tmp_path / "second"
-    proc = subprocess.run(
+    proc = forkrun.run(
         fit_command(second, "--strategy", "wagma_sgd", "--steps", "8", "--rotation", "2", "--resume",
                     str(first / "weights.ckpt"), launch="fork"),
-        env=FIT_ENV, capture_output=True, text=True, timeout=240,
+        env=FIT_ENV, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     record = json.loads((second / "callbacks0.json").read_text())
@@ -244,11 +242,11 @@ def test_resume_across_families_is_refused_unless_the_engine_state_is_dropped(tm
     assert_identical(second)
 
 
-def endless_fit(out, strategy: str, launch: str = "popen") -> subprocess.Popen:
+def endless_fit(out, strategy: str, launch: str = "popen") -> forkrun.Forked | subprocess.Popen:
     """A 4-process fit of tests/scripts/fit.py that runs until a signal ends it (stderr piped)."""
-    return subprocess.Popen(
+    return forkrun.start(
         fit_command(out, "--strategy", strategy, "--steps", "100000", "--straggle-ms", "5", launch=launch),
-        env=FIT_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=FIT_ENV,
     )
 
 

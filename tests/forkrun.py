@@ -1,0 +1,164 @@
+"""``python -m <script> ...`` for the tests, without paying the interpreter's imports on every call.
+
+Most multi-rank tests run one of ``tests/scripts`` with ``--launch fork``: a
+launching process that imports Lightning, then forks its ranks. On a 2-core host
+``import lightning`` alone takes 4-7 s (it imports torchmetrics, which imports
+torchvision and torch's compiler stack), most of such a fit's time. :func:`run`
+starts the script instead in a process forked from a multiprocessing
+*forkserver* that imported Lightning and this package once for the session: the
+same code path as ``python -m`` (``runpy``, ``__name__ == "__main__"``,
+``sys.argv``, the given environment and working directory, stdin from
+``/dev/null``, stdout and stderr captured, the exit status as ``subprocess``
+reports it, ``subprocess.TimeoutExpired`` after ``timeout``) in a fresh process
+of its own, which forks its ranks as before.
+
+Falls back to a real ``subprocess.run`` (the interpreter started afresh) for
+what a preloaded process would change: a command that is not ``python -m
+<module>``, ``--launch popen`` (the script launcher re-runs the command line for
+every other rank: the tests of what torchrun and SLURM users run), and ``--spy``
+(the default-group spy must patch ``torch.distributed`` before Lightning is
+imported). ``LP_TESTS_FORKSERVER=0`` turns it off for every call.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional, Sequence
+
+#: Imported once by the server: what every script run through it imports first.
+PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_partial", "tests.scripts.launch"]
+
+_lock = threading.Lock()
+_context: Optional[multiprocessing.context.BaseContext] = None
+
+
+def enabled(command: Sequence[str]) -> bool:
+    """Whether ``command`` may run in a forked process (see the module docstring)."""
+    args = list(command)
+    return (os.environ.get("LP_TESTS_FORKSERVER", "1") != "0" and len(args) >= 3 and args[0] == sys.executable
+            and args[1] == "-m" and "--spy" not in args and _launch(args) == "fork")
+
+
+def _launch(args: list[str]) -> str:
+    for i, arg in enumerate(args[:-1]):
+        if arg == "--launch":
+            return args[i + 1]
+    return "popen"  # the scripts' default
+
+
+def _server() -> multiprocessing.context.BaseContext:
+    global _context
+    with _lock:
+        if _context is None:
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(PRELOAD)
+            _context = context
+        return _context
+
+
+def _main(module: str, argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str) -> None:
+    """The child: stdio redirected, the caller's environment and directory, then the module as ``__main__``."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    for path, fd in ((stdout, 1), (stderr, 2)):
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(handle, fd)
+        os.close(handle)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    if env.get("PYTHONWARNINGS"):  # read by a new interpreter at start-up only
+        warnings.simplefilter(env["PYTHONWARNINGS"])  # type: ignore[call-overload]
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+class Forked:
+    """A script running in a forked process, with what the tests use of ``subprocess.Popen``'s interface
+    (``pid``, ``returncode``, ``poll``, ``wait``, ``communicate``, ``kill``); stdout and stderr go to files."""
+
+    def __init__(self, command: Sequence[str], env: Optional[dict[str, str]],
+                 cwd: Optional[os.PathLike[str] | str]) -> None:
+        self.args = list(command)
+        self._folder = tempfile.TemporaryDirectory(prefix="forkrun")
+        self._stdout, self._stderr = Path(self._folder.name) / "stdout", Path(self._folder.name) / "stderr"
+        self._process = _server().Process(  # type: ignore[attr-defined]
+            target=_main, name=f"forkrun {self.args[2]}",
+            args=(self.args[2], self.args[3:], dict(os.environ if env is None else env), str(cwd or os.getcwd()),
+                  str(self._stdout), str(self._stderr)),
+        )
+        self._process.start()
+        self.pid: int = self._process.pid
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        self.returncode = self._process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self._process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self.returncode  # type: ignore[return-value]
+
+    def communicate(self, timeout: Optional[float] = None) -> tuple[str, str]:
+        """Waits for the end (``subprocess.TimeoutExpired`` after ``timeout``, the process left running), then
+        its output."""
+        self.wait(timeout)
+        return self.output()
+
+    def output(self) -> tuple[str, str]:
+        """What the process wrote to stdout and stderr so far."""
+        return _read(self._stdout), _read(self._stderr)
+
+    def kill(self) -> None:
+        if self._process.exitcode is None:
+            self._process.kill()
+        self._process.join()
+        self.poll()
+
+    def close(self) -> None:
+        self._folder.cleanup()
+
+
+def start(command: Sequence[str], *, env: Optional[dict[str, str]] = None,
+          cwd: Optional[os.PathLike[str] | str] = None) -> "Forked | subprocess.Popen[str]":
+    """``subprocess.Popen(command, env=env, cwd=cwd, stdout=DEVNULL, stderr=PIPE, text=True)``, or the same
+    script forked from the preloaded server where :func:`enabled` allows (stdout then goes to a file)."""
+    if not enabled(command):
+        return subprocess.Popen(list(command), env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return Forked(command, env, cwd)
+
+
+def run(command: Sequence[str], *, env: Optional[dict[str, str]] = None, timeout: Optional[float] = None,
+        cwd: Optional[os.PathLike[str] | str] = None) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+    stdin=subprocess.DEVNULL)``, in a process forked from the preloaded server where :func:`enabled` allows."""
+    if not enabled(command):
+        return subprocess.run(list(command), env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    process = Forked(command, env, cwd)
+    try:
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.output()
+            raise subprocess.TimeoutExpired(process.args, timeout or 0.0, output=stdout, stderr=stderr) from None
+        stdout, stderr = process.output()
+        return subprocess.CompletedProcess(process.args, process.returncode or 0, stdout, stderr)
+    finally:
+        process.close()
