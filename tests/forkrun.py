@@ -12,16 +12,26 @@ same code path as ``python -m`` (``runpy``, ``__name__ == "__main__"``,
 reports it, ``subprocess.TimeoutExpired`` after ``timeout``) in a fresh process
 of its own, which forks its ranks as before.
 
+The child also gets what a new interpreter's main process has: the variables the
+preloaded imports set (beside the given environment), the working directory first
+on ``sys.path``, the platform's default start method, ``PYTHONWARNINGS`` behind the
+imports' own filters, and the ``atexit`` functions at its end. One difference
+stays: ``run`` returns when the launching process exits, not when the last
+process holding its stdout closes it (the ranks, which Lightning's launcher joins
+before it returns).
+
 Falls back to a real ``subprocess.run`` (the interpreter started afresh) for
 what a preloaded process would change: a command that is not ``python -m
 <module>``, ``--launch popen`` (the script launcher re-runs the command line for
-every other rank: the tests of what torchrun and SLURM users run), and ``--spy``
+every other rank: the tests of what torchrun and SLURM users run), ``--spy``
 (the default-group spy must patch ``torch.distributed`` before Lightning is
-imported). ``LP_TESTS_FORKSERVER=0`` turns it off for every call.
+imported), and an environment that changes a variable read at start-up only
+(:data:`STARTUP_ONLY`). ``LP_TESTS_FORKSERVER=0`` turns it off for every call.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import runpy
@@ -33,25 +43,42 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
-#: Imported once by the server: what every script run through it imports first.
-PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_partial", "tests.scripts.launch"]
+#: Imported once by the server: what every script run through it imports first. This module comes first, so
+#: that it notes the environment before the others add to it (:data:`_SERVER_START_ENV`).
+PRELOAD = ["tests.forkrun", "torch", "torch.distributed", "lightning.pytorch", "lightning_partial",
+           "tests.scripts.launch"]
+
+#: Read by an interpreter (or by the preloaded imports) at start-up only: a command whose environment gives one of
+#: them another value than this process's (and so the server's) runs in a new interpreter instead.
+STARTUP_ONLY = ("PYTHONHASHSEED", "PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONOPTIMIZE", "PYTHONDEVMODE",
+                "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+#: The environment this module was imported with: in the server, before the preloaded imports set variables of
+#: their own (Lightning's ``PYTORCH_NVML_BASED_CUDA_CHECK``, ...), which a fresh interpreter would set too.
+_SERVER_START_ENV = frozenset(os.environ)
 
 _lock = threading.Lock()
 _context: Optional[multiprocessing.context.BaseContext] = None
 
 
-def enabled(command: Sequence[str]) -> bool:
+def enabled(command: Sequence[str], env: Optional[dict[str, str]] = None) -> bool:
     """Whether ``command`` may run in a forked process (see the module docstring)."""
     args = list(command)
+    given = os.environ if env is None else env
     return (os.environ.get("LP_TESTS_FORKSERVER", "1") != "0" and len(args) >= 3 and args[0] == sys.executable
-            and args[1] == "-m" and "--spy" not in args and _launch(args) == "fork")
+            and args[1] == "-m" and "--spy" not in args and _launch(args) == "fork"
+            and all(given.get(name) == os.environ.get(name) for name in STARTUP_ONLY))
 
 
 def _launch(args: list[str]) -> str:
-    for i, arg in enumerate(args[:-1]):
-        if arg == "--launch":
-            return args[i + 1]
-    return "popen"  # the scripts' default
+    """The script's ``--launch`` as argparse reads it (the last one given)."""
+    launch = "popen"  # the scripts' default
+    for i, arg in enumerate(args):
+        if arg == "--launch" and i + 1 < len(args):
+            launch = args[i + 1]
+        elif arg.startswith("--launch="):
+            launch = arg.split("=", 1)[1]
+    return launch
 
 
 def _server() -> multiprocessing.context.BaseContext:
@@ -65,20 +92,36 @@ def _server() -> multiprocessing.context.BaseContext:
 
 
 def _main(module: str, argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str) -> None:
-    """The child: stdio redirected, the caller's environment and directory, then the module as ``__main__``."""
+    """The child: stdio redirected, the caller's environment and directory, then the module as ``__main__``,
+    then the interpreter's exit functions (``atexit``), which the multiprocessing child would otherwise skip."""
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
+    os.close(null)
     for path, fd in ((stdout, 1), (stderr, 2)):
         handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(handle, fd)
         os.close(handle)
+    added = {k: v for k, v in os.environ.items() if k not in _SERVER_START_ENV}  # by the preloaded imports
     os.environ.clear()
     os.environ.update(env)
+    for key, value in added.items():
+        os.environ.setdefault(key, value)
     os.chdir(cwd)
-    if env.get("PYTHONWARNINGS"):  # read by a new interpreter at start-up only
-        warnings.simplefilter(env["PYTHONWARNINGS"])  # type: ignore[call-overload]
+    sys.path.insert(0, cwd)  # as `python -m` puts the working directory first
+    # What a new interpreter's main process has: its own default start method (the platform's, not the
+    # server's), its name, and PYTHONWARNINGS behind the filters its imports install.
+    multiprocessing.set_start_method(None, force=True)
+    multiprocessing.current_process().name = "MainProcess"
+    for option in filter(None, env.get("PYTHONWARNINGS", "").split(",")):
+        if ":" in option:
+            warnings._processoptions([option])  # type: ignore[attr-defined]
+        else:
+            warnings.filterwarnings(option, append=True)  # type: ignore[call-overload]
     sys.argv = [module, *argv]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:
+        atexit._run_exitfuncs()
 
 
 def _read(path: Path) -> str:
@@ -137,7 +180,7 @@ def start(command: Sequence[str], *, env: Optional[dict[str, str]] = None,
           cwd: Optional[os.PathLike[str] | str] = None) -> "Forked | subprocess.Popen[str]":
     """``subprocess.Popen(command, env=env, cwd=cwd, stdout=DEVNULL, stderr=PIPE, text=True)``, or the same
     script forked from the preloaded server where :func:`enabled` allows (stdout then goes to a file)."""
-    if not enabled(command):
+    if not enabled(command, env):
         return subprocess.Popen(list(command), env=env, cwd=cwd, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     return Forked(command, env, cwd)
@@ -147,7 +190,7 @@ def run(command: Sequence[str], *, env: Optional[dict[str, str]] = None, timeout
         cwd: Optional[os.PathLike[str] | str] = None) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
     stdin=subprocess.DEVNULL)``, in a process forked from the preloaded server where :func:`enabled` allows."""
-    if not enabled(command):
+    if not enabled(command, env):
         return subprocess.run(list(command), env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
     process = Forked(command, env, cwd)
@@ -158,6 +201,9 @@ def run(command: Sequence[str], *, env: Optional[dict[str, str]] = None, timeout
             process.kill()
             stdout, stderr = process.output()
             raise subprocess.TimeoutExpired(process.args, timeout or 0.0, output=stdout, stderr=stderr) from None
+        except BaseException:  # pytest-timeout's signal, Ctrl-C: as subprocess.run, never leave the child running
+            process.kill()
+            raise
         stdout, stderr = process.output()
         return subprocess.CompletedProcess(process.args, process.returncode or 0, stdout, stderr)
     finally:
