@@ -196,15 +196,13 @@ def run(command: Sequence[str], *, env: Optional[dict[str, str]] = None, timeout
     process = Forked(command, env, cwd)
     try:
         try:
-            process.wait(timeout)
+            returncode = process.wait(timeout)
         except subprocess.TimeoutExpired:
             process.kill()
-            stdout, stderr = process.output()
-            raise subprocess.TimeoutExpired(process.args, timeout or 0.0, output=stdout, stderr=stderr) from None
+            raise subprocess.TimeoutExpired(process.args, timeout or 0.0, *process.output()) from None
         except BaseException:  # pytest-timeout's signal, Ctrl-C: as subprocess.run, never leave the child running
             process.kill()
             raise
-        stdout, stderr = process.output()
-        return subprocess.CompletedProcess(process.args, process.returncode or 0, stdout, stderr)
+        return subprocess.CompletedProcess(process.args, returncode, *process.output())
     finally:
         process.close()
