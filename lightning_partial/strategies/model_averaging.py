@@ -24,6 +24,11 @@ for set-up, SIGTERM, checkpoints and the end of fit. Specific to model averaging
   (``adaptive_scaling``, :mod:`lightning_partial.strategies.adaptive_scaling`):
   main thread, right after ``optimizer.step`` (and so, in the default order,
   before the group average), from the rank's own optimizer state; no collective.
+* With ``finish="gradients"`` (not the default) the synchronous finish takes
+  DDP's step: main thread, collective group (gloo), after the closure and
+  before ``optimizer.step``, the gradients' mean over the ranks in every finish
+  round and, at its first, the optimizer state's
+  (:mod:`lightning_partial.strategies.gradient_finish`).
 """
 
 from __future__ import annotations
@@ -48,7 +53,9 @@ from lightning_partial.collectives.group_average import (
 )
 from lightning_partial.collectives.schedules import Schedule
 from lightning_partial.strategies import adaptive_scaling as scaling_rule
+from lightning_partial.strategies import gradient_finish as finish_rule
 from lightning_partial.strategies.adaptive_scaling import GlobalBatchScaling
+from lightning_partial.strategies.gradient_finish import GradientFinish
 from lightning_partial.strategies.options import ScheduleSource, StrategyOptions
 from lightning_partial.strategies.partial import ConfiguredStrategy, StepModel
 
@@ -103,6 +110,14 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
             ``EagerSGDStrategy``'s (:mod:`~lightning_partial.strategies.final_sync`).
             ``0.05`` (default; measured in ``docs/staleness.md#the-synchronous-finish``);
             ``0.0``: every round as ``mode`` and ``global_every`` say (the reference codes').
+        finish: what a finish round averages. ``"models"`` (default): the global average of
+            the local steps (for SGD, with or without momentum, DDP's step). ``"gradients"``:
+            DDP's step for Adam too: the optimizer state is averaged over the ranks at the
+            finish's first round (Adam's second moment with adaptive scaling's noise
+            correction where scaling is in force), and every finish round steps on the
+            gradients' mean (:mod:`~lightning_partial.strategies.gradient_finish`; SGD and the
+            Adam family, refused at set-up for other optimizers). Not the default: under AdamW
+            it measured no better (``docs/staleness.md#ddps-step-in-the-finish``).
         seed: seed of the majority initiator RNG and of the shuffle schedule.
         schedule: a :class:`~lightning_partial.collectives.schedules.Schedule`, or a
             callable ``world_size -> Schedule``; default: the subclass's.
@@ -126,6 +141,7 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         measure_every: Optional[int] = None,
         adaptive_scaling: str = "auto",
         final_sync: float = 0.05,
+        finish: str = "models",
         seed: int = 0,
         schedule: Optional[ScheduleSource] = None,
         **kwargs: Unpack[StrategyOptions],
@@ -133,6 +149,7 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         super().__init__(**kwargs)
         self._set_final_sync(final_sync)
         self.adaptive_scaling = scaling_rule.check_scaling(adaptive_scaling, owner=self.strategy_name)
+        self.finish = finish_rule.check_finish(finish, owner=self.strategy_name)
         if normalize not in AVERAGE_NORMALIZATIONS:
             raise ValueError(f"unknown normalize {normalize!r}: expected one of {', '.join(AVERAGE_NORMALIZATIONS)}")
         if late not in AVERAGE_LATE_POLICIES:
@@ -169,6 +186,9 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         # Resolved against the optimizers at set-up: the indices whose local steps are rescaled.
         self._scaled: set[int] = set()
         self._scaling: Optional[GlobalBatchScaling] = None
+        # Likewise the indices whose finish rounds take DDP's step (finish="gradients").
+        self._ddp_finish: set[int] = set()
+        self._gradient_finish: Optional[GradientFinish] = None
 
     # ------------------------------------------------------------ schedule
     def default_schedule(self, world_size: int) -> Schedule:
@@ -210,20 +230,34 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
             self.adaptive_scaling, self.optimizers, world_size=self.world_size, owner=self.strategy_name
         )
         self._scaling = GlobalBatchScaling(self.world_size) if self._scaled else None
+        self._ddp_finish = finish_rule.resolve_all(
+            self.finish, self.optimizers, world_size=self.world_size, owner=self.strategy_name
+        ) if self.final_sync > 0 else set()
+        self._gradient_finish = GradientFinish(
+            group=self.collective_group, rank=self.global_rank, world_size=self.world_size,
+            timeout=self._collective_timeout,
+        ) if self._ddp_finish else None
 
     @override
     def update_rule(self) -> dict[str, Any]:
         """:meth:`PartialStrategy.update_rule`, and ``adaptive_scaling`` resolved per optimizer, comma-separated."""
         settings = super().update_rule()
-        settings["adaptive_scaling"] = ",".join(
-            "global_batch" if i in self._scaled else "none" for i in range(max(len(self.optimizers), 1))
-        )
+        indices = range(max(len(self.optimizers), 1))
+        settings["adaptive_scaling"] = ",".join("global_batch" if i in self._scaled else "none" for i in indices)
+        settings["finish"] = ",".join("gradients" if i in self._ddp_finish else "models" for i in indices)
         return settings
 
     @override
     def teardown(self) -> None:
         self._scaling = None  # its copy of the weights is not needed after the fit
+        self._gradient_finish = None  # holds the collective group
         super().teardown()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The finish's collectives hold the collective group, which cannot be pickled; set-up makes them again.
+        state = super().__getstate__()
+        state["_gradient_finish"] = None
+        return state
 
     # ------------------------------------------------------------- engines
     @override
@@ -249,11 +283,20 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         With ``adaptive_scaling`` in force for this optimizer, the weights are noted
         once the closure has run (and, in ``average_then_step``, averaged): right
         before ``optimizer.step``, so that the rescaling sees the optimizer's step alone.
+        In a finish round with ``finish="gradients"`` in force, the gradients are averaged
+        there instead (and, at the finish's first round, the optimizer state), and nothing
+        is rescaled (:mod:`~lightning_partial.strategies.gradient_finish`).
         """
-        scaling = self._scaling if index in self._scaled else None
         params = self._params[index]
         raw = self.optimizers[index]
         average_first = self.order == "average_then_step"
+        engine = self._engines[index]
+        round_index = engine.step
+        sync_from = engine.config.sync_from
+        gradients = (self._gradient_finish if index in self._ddp_finish and sync_from is not None
+                     and round_index >= sync_from else None)
+        # DDP's step in the finish: the gradient is the global batch's, nothing to rescale.
+        scaling = self._scaling if index in self._scaled and gradients is None else None
 
         def closure_then_prepare() -> Any:
             # The gradients exist (computed on the pre-average model); the optimizer
@@ -261,12 +304,17 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
             result = closure()
             if average_first:
                 self._average(index)
+            if gradients is not None:
+                gradients.mean_gradients(params, round_index=round_index)
+                if round_index == sync_from:
+                    gradients.average_state(raw, params, noise_correction=index in self._scaled,
+                                            round_index=round_index)
             if scaling is not None:
                 scaling.begin(index, raw, params)
             return result
 
-        wrapped = closure_then_prepare if average_first or scaling is not None else closure
-        output = self._lightning_step(optimizer, wrapped, model, kwargs)
+        needs_wrap = average_first or scaling is not None or gradients is not None
+        output = self._lightning_step(optimizer, closure_then_prepare if needs_wrap else closure, model, kwargs)
         if scaling is not None:
             scaling.finish(index, raw, params)
         if not average_first:

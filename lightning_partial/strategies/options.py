@@ -58,5 +58,6 @@ class AveragingOptions(StrategyOptions, total=False):
     measure_every: Optional[int]
     adaptive_scaling: str
     final_sync: float
+    finish: str
     seed: int
     schedule: Optional[ScheduleSource]
