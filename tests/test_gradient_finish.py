@@ -52,8 +52,8 @@ def test_a_set_up_strategy_still_pickles():
     import threading
 
     strategy = WAGMAStrategy(finish="gradients")
-    strategy._gradient_finish = GradientFinish(group=threading.Lock(), rank=0, world_size=2,
-                                               timeout=timedelta(seconds=1))  # a lock: unpicklable, as a group
+    strategy._gradient_finish = GradientFinish(group=threading.Lock(), rank=0, world_size=2,  # a lock: unpicklable
+                                               arrival_timeout=timedelta(seconds=1), timeout=timedelta(seconds=1))
     assert pickle.loads(pickle.dumps(strategy))._gradient_finish is None
 
 
@@ -61,36 +61,56 @@ def _group(rank: int, store: dist.Store, name: str = "finish") -> dist.ProcessGr
     return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, P, timedelta(seconds=30))
 
 
+def _finish(rank: int, store: dist.Store, seconds: float = 30) -> GradientFinish:
+    bound = timedelta(seconds=seconds)
+    return GradientFinish(group=_group(rank, store), rank=rank, world_size=P, arrival_timeout=bound, timeout=bound)
+
+
 def test_mean_gradients_is_the_sum_over_ranks_divided_by_p():
     """Dyadic values (exact in float32): each gradient becomes sum/P on every rank; a rank without a
     gradient counts as zero and receives the mean; a parameter no rank has a gradient for keeps None;
-    a float64 parameter travels in its own buffer."""
+    float64 and bfloat16 parameters travel in their own buffers (bfloat16 summed as float32)."""
     def grads(rank: int) -> list:
         return [torch.arange(6.0).reshape(2, 3) * (rank + 1) / 8, torch.full((3,), 2.0**rank) if rank in (1, 2)
-                else None, None, torch.tensor([0.5 * rank], dtype=torch.float64)]
+                else None, None, torch.tensor([0.5 * rank], dtype=torch.float64),
+                torch.tensor([0.25, 3.0], dtype=torch.bfloat16) * (rank + 1)]
 
     def fn(rank: int, store: dist.Store):
         params = [torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(3)),
-                  torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))]
+                  torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(1, dtype=torch.float64)),
+                  torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]
         for p, g in zip(params, grads(rank)):
             p.grad = g
-        GradientFinish(group=_group(rank, store), rank=rank, world_size=P,
-                       timeout=timedelta(seconds=30)).mean_gradients(params, round_index=7)
+        _finish(rank, store).mean_gradients(params, round_index=7)
         return [None if p.grad is None else p.grad.clone() for p in params]
 
     results = run_threads(P, fn)
     per_rank = [grads(r) for r in range(P)]
     expected = [sum(g[0] for g in per_rank) / P, (2.0**1 + 2.0**2) * torch.ones(3) / P, None,
-                sum(g[3] for g in per_rank) / P]
+                sum(g[3] for g in per_rank) / P, torch.tensor([0.625, 7.5], dtype=torch.bfloat16)]
     for got in results:
         assert got[2] is None
-        for i in (0, 1, 3):
+        for i in (0, 1, 3, 4):
             assert got[i].dtype == expected[i].dtype and torch.equal(got[i], expected[i]), i
+
+
+def test_a_sparse_gradient_on_one_rank_fails_every_rank_together():
+    """The sparse gradient is flagged in the round's buffer, so every rank raises (none waits for a sum
+    that the others abandoned), naming the option's alternative."""
+    def fn(rank: int, store: dist.Store):
+        p = torch.nn.Parameter(torch.zeros(4))
+        if rank == 0:
+            p.grad = torch.sparse_coo_tensor([[1]], [1.0], (4,))
+        with pytest.raises(PartialCollectiveError, match=rf"rank {rank}, round 2\].*sparse.*finish='models'"):
+            _finish(rank, store).mean_gradients([p], round_index=2)
+        return "raised"
+
+    assert run_threads(P, fn, timeout=60) == ["raised"] * P
 
 
 def _adam_state(rank: int, amsgrad: bool) -> tuple[list[torch.nn.Parameter], torch.optim.AdamW]:
     """Two parameters with AdamW state of dyadic values that differ per rank (step 3 on rank 0, 5 elsewhere:
-    the step is taken from rank 0); a third whose state only ranks 0 and 1 have (it keeps its own)."""
+    the step is taken from rank 0); a third whose state only ranks 0 and 1 have."""
     params = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2, 2)),
               torch.nn.Parameter(torch.zeros(3))]
     opt = torch.optim.AdamW(params, lr=0.01, betas=(0.5, 0.75), amsgrad=amsgrad)
@@ -111,11 +131,11 @@ def _adam_state(rank: int, amsgrad: bool) -> tuple[list[torch.nn.Parameter], tor
 def test_average_state_is_the_mean_with_the_documented_noise_correction(noise_correction, amsgrad):
     """exp_avg: the mean over the ranks; exp_avg_sq (and max_exp_avg_sq): the mean, then, with the
     correction, s + (v - s) / P for s = min(m^2 (1 - b2^t) / (1 - b1^t)^2, v) at rank 0's step; identical on
-    every rank. A parameter whose state some rank lacks is left as each rank has it."""
+    every rank. A parameter whose state some rank lacks has it dropped on every rank (the optimizer starts it
+afresh, identically)."""
     def fn(rank: int, store: dist.Store):
         params, opt = _adam_state(rank, amsgrad)
-        GradientFinish(group=_group(rank, store), rank=rank, world_size=P, timeout=timedelta(seconds=30)
-                       ).average_state(opt, params, noise_correction=noise_correction, round_index=3)
+        _finish(rank, store).average_state(opt, params, noise_correction=noise_correction, round_index=3)
         return [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
 
     results = run_threads(P, fn)
@@ -137,16 +157,13 @@ def test_average_state_is_the_mean_with_the_documented_noise_correction(noise_co
             assert set(got[i]) == set(expected)
             for key, value in expected.items():
                 assert torch.equal(got[i][key], value), (i, key)
-    for rank, got in enumerate(results):  # the third parameter: state on ranks 0 and 1 only
-        if rank < 2:
-            assert torch.equal(got[2]["exp_avg"], torch.full((3,), float(rank)))
-        else:
-            assert got[2] == {}
+    for got in results:  # the third parameter had state on ranks 0 and 1 only: dropped on every rank
+        assert got[2] == {}
 
 
 def test_a_rank_that_never_joins_fails_the_others_naming_rank_and_round():
-    """A rank that does not reach the finish's collective (dead, stalled): the others fail within
-    collective_timeout with an error that names them and the round, never a hang."""
+    """A rank that does not reach the finish's collective (dead, stalled): the others fail within the
+    bound with an error that names them and the round, never a hang."""
     def fn(rank: int, store: dist.Store):
         group = _group(rank, store)
         if rank == P - 1:
@@ -156,8 +173,9 @@ def test_a_rank_that_never_joins_fails_the_others_naming_rank_and_round():
             return None
         params = [torch.nn.Parameter(torch.zeros(3))]
         params[0].grad = torch.ones(3)
-        with pytest.raises(PartialCollectiveError, match=rf"rank {rank}, round 41\].*collective_timeout"):
-            GradientFinish(group=group, rank=rank, world_size=P,
+        # The round's first collective waits for the slowest rank's compute: bounded by the strategy's timeout.
+        with pytest.raises(PartialCollectiveError, match=rf"rank {rank}, round 41\].*exceeded timeout="):
+            GradientFinish(group=group, rank=rank, world_size=P, arrival_timeout=timedelta(seconds=1),
                            timeout=timedelta(seconds=1)).mean_gradients(params, round_index=41)
         return "raised"
 
@@ -178,6 +196,8 @@ def test_a_fit_that_is_all_finish_takes_ddps_adamw_steps(tmp_path):
                           json.dumps({"final_sync": 0.99, "finish": finish}))
         assert [r["update_rule"]["finish"] for r in records] == [finish] * 4
         finals[finish] = assert_identical(out)
+        states = {json.dumps(r["optimizer_state"]) for r in records}
+        assert len(states) == (1 if finish == "gradients" else 4)  # one optimizer state, or each rank's own
     for key, value in ddp.items():
         torch.testing.assert_close(finals["gradients"][key], value, rtol=0, atol=1e-6)
     assert max((finals["models"][k] - v).abs().max().item() for k, v in ddp.items()) > 1e-3
@@ -187,18 +207,21 @@ def test_a_fit_that_is_all_finish_takes_ddps_adamw_steps(tmp_path):
 @pytest.mark.parametrize("strategy, kw, extra", [
     ("ds_sync", {"final_sync": 0.5, "max_staleness": 2, "finish": "gradients"},
      ("--optimizer", "adamw", "--weight-decay", "0.01")),
+    ("wagma_sgd", {"final_sync": 0.5, "finish": "gradients"}, ("--momentum", "0.9", "--weight-decay", "0.01")),
     ("wagma_sgd", {"final_sync": 0.5, "finish": "gradients", "order": "average_then_step"},
-     ("--momentum", "0.9", "--unused")),
+     ("--momentum", "0.9", "--weight-decay", "0.01", "--unused")),
 ])
 def test_a_finish_after_wait_avoiding_rounds_ends_identical(tmp_path, strategy, kw, extra):
-    """Half the fit wait-avoiding under a straggler, then the finish: its first round averages the optimizer
-    state, every finish round the gradients; the replicas end bit-identical, in both orders, under AdamW with
-    decoupled decay and under SGD with momentum (``finish="gradients"`` asked for), and a layer that no rank
-    uses stays untouched as under DDP."""
+    """Half the fit wait-avoiding under a straggler, then the finish: its first round averages the parameters
+    and the optimizer state, every finish round the gradients; the replicas end bit-identical and with one
+    optimizer state, in both orders, under AdamW with decoupled decay and under SGD with momentum and coupled
+    weight decay (which reads the weights: the first round must start from one model), and a layer that no
+    rank uses stays untouched as under DDP (with one that only rank 0 uses, whose state is dropped)."""
     out = tmp_path / strategy
     records = run_fit(out, strategy, "--straggle-ms", "10", "--steps", "16", "--strategy-kw", json.dumps(kw),
                       *extra)
     assert [r["update_rule"]["finish"] for r in records] == ["gradients"] * 4
     assert_identical(out)
+    assert len({json.dumps(r["optimizer_state"]) for r in records}) == 1  # one optimizer state on every rank
     if "--unused" in extra:
         assert not any(k.startswith("unused.") for k in records[0]["changed"]), records[0]["changed"]

@@ -27,7 +27,7 @@ for set-up, SIGTERM, checkpoints and the end of fit. Specific to model averaging
 * With ``finish="gradients"`` (not the default) the synchronous finish takes
   DDP's step: main thread, collective group (gloo), after the closure and
   before ``optimizer.step``, the gradients' mean over the ranks in every finish
-  round and, at its first, the optimizer state's
+  round and, at its first, the parameters' and the optimizer state's
   (:mod:`lightning_partial.strategies.gradient_finish`).
 """
 
@@ -112,8 +112,8 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
             ``0.0``: every round as ``mode`` and ``global_every`` say (the reference codes').
         finish: what a finish round averages. ``"models"`` (default): the global average of
             the local steps (for SGD, with or without momentum, DDP's step). ``"gradients"``:
-            DDP's step for Adam too: the optimizer state is averaged over the ranks at the
-            finish's first round (Adam's second moment with adaptive scaling's noise
+            DDP's step for Adam too: the parameters and the optimizer state are averaged over
+            the ranks at the finish's first round (Adam's second moment with adaptive scaling's noise
             correction where scaling is in force), and every finish round steps on the
             gradients' mean (:mod:`~lightning_partial.strategies.gradient_finish`; SGD and the
             Adam family, refused at set-up for other optimizers). Not the default: under AdamW
@@ -235,7 +235,7 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         ) if self.final_sync > 0 else set()
         self._gradient_finish = GradientFinish(
             group=self.collective_group, rank=self.global_rank, world_size=self.world_size,
-            timeout=self._collective_timeout,
+            arrival_timeout=self._timeout, timeout=self._collective_timeout,
         ) if self._ddp_finish else None
 
     @override
@@ -284,8 +284,8 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         once the closure has run (and, in ``average_then_step``, averaged): right
         before ``optimizer.step``, so that the rescaling sees the optimizer's step alone.
         In a finish round with ``finish="gradients"`` in force, the gradients are averaged
-        there instead (and, at the finish's first round, the optimizer state), and nothing
-        is rescaled (:mod:`~lightning_partial.strategies.gradient_finish`).
+        there instead (and, at the finish's first round, the parameters and the optimizer
+        state), and nothing is rescaled (:mod:`~lightning_partial.strategies.gradient_finish`).
         """
         params = self._params[index]
         raw = self.optimizers[index]
@@ -307,6 +307,10 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
             if gradients is not None:
                 gradients.mean_gradients(params, round_index=round_index)
                 if round_index == sync_from:
+                    # One model (the engine's average already made it in average_then_step) and one
+                    # optimizer state before the first of DDP's steps.
+                    if not average_first:
+                        gradients.mean_parameters(params, round_index=round_index)
                     gradients.average_state(raw, params, noise_correction=index in self._scaled,
                                             round_index=round_index)
             if scaling is not None:

@@ -335,6 +335,12 @@ def main() -> None:
         update_rule = getattr(trainer.strategy, "update_rule", None)
         record["update_rule"] = update_rule() if callable(update_rule) else None
         record["lr"] = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
+        state = trainer.optimizers[0].state if trainer.optimizers else {}
+        # A digest of the optimizer's state per parameter and entry (equal on ranks whose states are identical).
+        record["optimizer_state"] = [[name, key, float(value.double().sum())]
+                                     for name, param in model.named_parameters()
+                                     for key, value in sorted(state.get(param, {}).items())
+                                     if isinstance(value, torch.Tensor)]
         record["epoch_batches"] = epochs.batches
         record["epoch_samples"] = epochs.samples
         record["epoch_first_batch"] = epochs.first_sizes
