@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -133,6 +134,37 @@ def test_a_fresh_verdict_read_returns_after_one_read_not_at_the_bound() -> None:
         verdict = beat.wait_verdict(40.0, fresh=True)
         assert verdict is not None and "rank 1 has not answered (noticed by rank 5)" in str(verdict)
         assert "rank 1 has not answered" in verdicts[0]
+    finally:
+        beat.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_closed_at_the_rounds_bound_waits_for_the_verdict() -> None:
+    """A peer whose collective timed out closes its connections: the others see "connection closed" when their
+    own round has waited about as long as the bound, and the verdict on the stalled rank follows within a beat.
+    Such a failure waits (up to two beats) for it, as a timeout does; one early in the round (a peer's process
+    gone) takes one fresh read and returns without a verdict."""
+    from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, PartialCollectiveError
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    beat = Heartbeat(store, rank=0, world_size=2, timeout=timedelta(seconds=60), interval=0.5, name="t",
+                     on_dead=lambda err: None, progress=lambda: 85)
+    engine = PartialAllreduce(PartialAllreduceConfig(mode="solo", collective_timeout=timedelta(seconds=4)),
+                              store=store, rank=0, world_size=2, like=torch.zeros(3))
+    engine.attach_liveness(beat)
+    beat.start()
+    closed = PartialCollectiveError("header allreduce failed (Connection closed by peer)", rank=0, round_index=85)
+    try:
+        engine._reduce_began = time.monotonic() - 0.2  # early in the round: a peer's process is gone
+        assert engine._explain(closed) is closed
+        engine._reduce_began = time.monotonic() - 3.8  # at the bound: a peer's own timeout
+        publish = threading.Timer(0.3, lambda: dist.PrefixStore("lightning_partial/t/hb", store).set(
+            "dead", "rank 2 has not answered for 4 s (noticed by rank 1)"))
+        publish.start()
+        named = engine._explain(closed)
+        publish.join()
+        assert "rank 2 has not answered" in str(named) and "Connection closed by peer" in str(named), named
+        assert "round 85" in str(named)
     finally:
         beat.stop()
 

@@ -446,8 +446,10 @@ class PartialAllreduce(RoundRunner):
         """A :class:`~lightning_partial.collectives.liveness.Heartbeat` consulted when a collective times out.
 
         Before :meth:`start`. A collective that timed out then raises the heartbeat's
-        verdict naming the rank that stopped answering, if one comes within two beats;
-        one that failed otherwise (a peer's process gone), a verdict already published.
+        verdict naming the rank that stopped answering, if one comes within two beats, and
+        so does one that failed otherwise once the round had waited about as long as its
+        bound (a peer's own timeout closed the connection); one that failed early in the
+        round (a peer's process gone), a verdict already published.
         """
         self._liveness = liveness
 

@@ -68,6 +68,8 @@ class RoundRunner(EngineGroups):
     _done_events: dict[int, torch.cuda.Event]
     _control: Any
     _liveness: Any
+    # When this thread issued the current round's collectives (None outside _reduce): see _explain.
+    _reduce_began: Optional[float] = None
 
     def _run(self) -> None:
         if self._cuda_device is not None:  # pragma: no cover - needs GPUs
@@ -90,7 +92,9 @@ class RoundRunner(EngineGroups):
                 context = self._snapshot(r, synchronous, began=began, activated=time.monotonic())
                 if context is None:
                     return
+                self._reduce_began = time.monotonic()
                 result = self._reduce(context)
+                self._reduce_began = None
                 with self._cond:
                     self._results[r] = result
                     self._in_round = False
@@ -252,8 +256,12 @@ class RoundRunner(EngineGroups):
         Any failure, not only a timeout: a survivor that read the verdict first and
         exited closes its connections, and the others' collectives then fail with
         "connection closed" before they have read it. A timeout waits up to two
-        beats, in which the heartbeat may name the rank that stopped. Any other
-        failure (a connection closed or reset: a peer's process is gone, its
+        beats, in which the heartbeat may name the rank that stopped. So does a
+        failure that comes when the round's collectives have waited about as long as
+        their bound (within two beats of it): that is a peer's own timeout seen from
+        this side (gloo closes a timed-out context's connections), and the verdict
+        on the stalled rank follows within a beat or two. Any other failure (a
+        connection closed or reset early in the round: a peer's process is gone, its
         heartbeat silent for moments) can only find a verdict some rank already
         published: one fresh read of the store, not two beats (10 s at the default
         ``collective_timeout``, per engine, before the error surfaced).
@@ -261,7 +269,11 @@ class RoundRunner(EngineGroups):
         liveness = self._liveness
         if liveness is None or not isinstance(err, PartialCollectiveError) or isinstance(err, EngineClosedError):
             return err
-        verdict = liveness.wait_verdict(2 * liveness.interval, fresh=not isinstance(err, PartialCollectiveTimeout))
+        began = self._reduce_began
+        near_bound = (began is not None and time.monotonic() - began
+                      >= self._round_bound.total_seconds() - 2 * liveness.interval)
+        fresh = not isinstance(err, PartialCollectiveTimeout) and not near_bound
+        verdict = liveness.wait_verdict(2 * liveness.interval, fresh=fresh)
         if verdict is None:
             return err
         named = PartialCollectiveError(f"{verdict} (then: {err})", rank=self.rank, round_index=err.round_index)
