@@ -240,7 +240,8 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
 
     @override
     def update_rule(self) -> dict[str, Any]:
-        """:meth:`PartialStrategy.update_rule`, and ``adaptive_scaling`` resolved per optimizer, comma-separated."""
+        """:meth:`PartialStrategy.update_rule`, and ``adaptive_scaling`` and ``finish`` resolved per optimizer,
+        comma-separated (``finish``: ``"gradients"`` only where the finish runs and the option applies)."""
         settings = super().update_rule()
         indices = range(max(len(self.optimizers), 1))
         settings["adaptive_scaling"] = ",".join("global_batch" if i in self._scaled else "none" for i in indices)
