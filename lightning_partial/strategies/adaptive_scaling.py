@@ -51,7 +51,7 @@ from torch.optim import Optimizer
 
 from lightning_partial.strategies.prediction import copy_weights
 
-__all__ = ["ADAPTIVE_SCALINGS", "GlobalBatchScaling", "check_scaling", "resolve", "resolve_all"]
+__all__ = ["ADAPTIVE_SCALINGS", "GlobalBatchScaling", "check_scaling", "resolve", "resolve_all", "signal_part"]
 
 #: ``adaptive_scaling`` values: ``"auto"`` (``"global_batch"`` for an Adam-family optimizer on more than
 #: one rank, ``"none"`` otherwise), ``"global_batch"`` (refused for other optimizers), ``"none"``.
@@ -93,6 +93,31 @@ def resolve(value: str, optimizer: Optimizer, *, world_size: int, owner: str) ->
 def resolve_all(value: str, optimizers: Sequence[Optimizer], *, world_size: int, owner: str) -> set[int]:
     """The indices of the optimizers whose steps the rule rescales (a strategy's set-up)."""
     return {i for i, opt in enumerate(optimizers) if resolve(value, opt, world_size=world_size, owner=owner)}
+
+
+def _in_float32(tensors: list[Tensor]) -> list[Tensor]:
+    """Half-precision state (precision="16-true"/"bf16-true") as float32: ``m^2`` and the floors
+    computed from it would under- or overflow in float16."""
+    if tensors and tensors[0].dtype in (torch.float16, torch.bfloat16):
+        return [x.float() for x in tensors]
+    return tensors
+
+
+def signal_part(exp_avg: list[Tensor], second: list[Tensor], *, t: float, betas: Sequence[float]) -> list[Tensor]:
+    """``s' = min(m^2 (1 - beta2^t) / (1 - beta1^t)^2, v)`` per coordinate (new tensors, half precision in float32).
+
+    The part of a raw (not bias-corrected) second moment ``v`` that the squared mean
+    gradient explains, from the raw first moment ``m`` after ``t`` steps: the bias-corrected
+    ``min(m_hat^2, v_hat)`` in ``v``'s units. The rest, ``v - s'``, is the gradients' noise.
+    Shared by the local steps' rescaling and by ``finish="gradients"``'s second-moment
+    correction (:mod:`~lightning_partial.strategies.gradient_finish`).
+    """
+    beta1, beta2 = float(betas[0]), float(betas[1])
+    m = _in_float32(exp_avg)
+    s = torch._foreach_mul(m, m)
+    torch._foreach_mul_(s, (1.0 - beta2**t) / (1.0 - beta1**t) ** 2)
+    torch._foreach_minimum_(s, _in_float32(second))
+    return s
 
 
 def _steps(optimizer: Optimizer, params: Sequence[Tensor]) -> list[Optional[float]]:
@@ -171,16 +196,9 @@ class GlobalBatchScaling:
         and ``s' = min(m^2 (1 - beta2^t) / (1 - beta1^t)^2, v)``,
         ``c^2 = P v / (v + (P - 1) s')``, the same ratio as with the corrected ones.
         """
-        beta1, beta2 = float(betas[0]), float(betas[1])
         world = self.world_size
-        if exp_avg and exp_avg[0].dtype in (torch.float16, torch.bfloat16):
-            # Half-precision state (precision="16-true"/"bf16-true"): m^2 and the floor below
-            # would under- or overflow in float16; the ratio is computed in float32.
-            exp_avg = [m.float() for m in exp_avg]
-            exp_avg_sq = [v.float() for v in exp_avg_sq]
-        c = torch._foreach_mul(exp_avg, exp_avg)
-        torch._foreach_mul_(c, (1.0 - beta2**t) / (1.0 - beta1**t) ** 2)
-        torch._foreach_minimum_(c, exp_avg_sq)  # s'
+        exp_avg, exp_avg_sq = _in_float32(exp_avg), _in_float32(exp_avg_sq)
+        c = signal_part(exp_avg, exp_avg_sq, t=t, betas=betas)  # s'
         torch._foreach_mul_(c, float(world - 1))
         torch._foreach_add_(c, exp_avg_sq)  # v + (P - 1) s'  (>= v)
         # v = 0 (a coordinate that never had a gradient) gives 0/0; the floor makes it 0, then c = 1 below.

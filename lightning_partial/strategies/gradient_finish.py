@@ -75,7 +75,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_partial.collectives import PartialCollectiveError
-from lightning_partial.strategies.adaptive_scaling import ADAM_FAMILY
+from lightning_partial.strategies.adaptive_scaling import ADAM_FAMILY, signal_part
 
 __all__ = ["FINISHES", "GradientFinish", "check_finish", "resolve", "resolve_all"]
 
@@ -292,14 +292,11 @@ class GradientFinish:
             t = float(state["step"])
             if t <= 0:
                 continue
-            beta1, beta2 = float(group["betas"][0]), float(group["betas"][1])
-            m = state["exp_avg"]
             for key in ("exp_avg_sq", "max_exp_avg_sq"):
                 v: Optional[Tensor] = state.get(key)
                 if v is None:
                     continue
-                s = m.float() * m.float() * ((1.0 - beta2**t) / (1.0 - beta1**t) ** 2)
-                torch.minimum(s, v.float(), out=s)
+                s = signal_part([state["exp_avg"]], [v], t=t, betas=group["betas"])[0]
                 v.copy_(s + (v.float() - s) / world)
             if "max_exp_avg_sq" in state:
                 torch.maximum(state["max_exp_avg_sq"], state["exp_avg_sq"], out=state["max_exp_avg_sq"])
