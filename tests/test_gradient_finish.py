@@ -94,6 +94,37 @@ def test_mean_gradients_is_the_sum_over_ranks_divided_by_p():
             assert got[i].dtype == expected[i].dtype and torch.equal(got[i], expected[i]), i
 
 
+def test_mean_in_place_averages_floats_and_takes_rank0s_for_the_rest():
+    """The shared helper (the end-of-fit buffer average and this finish's state average): floating tensors
+    become their mean (bfloat16 summed as float32), integer and bool tensors and flagged ones rank 0's, on
+    every rank alike; one sum per dtype."""
+    from lightning_partial.strategies.rank_mean import mean_in_place
+
+    def tensors(rank: int) -> list:
+        return [torch.arange(4.0) * (rank + 1) / 8, torch.tensor([rank + 10]),
+                torch.tensor([0.5, 2.0], dtype=torch.bfloat16) * (rank + 1), torch.tensor([rank % 2 == 0]),
+                torch.tensor(3.0 + rank)]
+
+    def fn(rank: int, store: dist.Store):
+        group, sums = _group(rank, store, "mean"), []
+
+        def sum_(buffer: torch.Tensor) -> None:
+            sums.append(buffer.dtype)
+            dist.all_reduce(buffer, group=group)
+
+        mine = tensors(rank)
+        mean_in_place(mine, rank=rank, world_size=P, sum_=sum_, from_rank0=[False, False, False, False, True])
+        return mine, sums
+
+    results = run_threads(P, fn)
+    expected = [torch.arange(4.0) * 10 / 32, torch.tensor([10]), torch.tensor([1.25, 5.0], dtype=torch.bfloat16),
+                torch.tensor([True]), torch.tensor(3.0)]
+    for got, sums in results:
+        assert sums == [torch.float32, torch.int64, torch.float32, torch.uint8]  # one per dtype: bf16 as float32
+        for g, e in zip(got, expected):
+            assert g.dtype == e.dtype and torch.equal(g, e), (g, e)
+
+
 def test_a_sparse_gradient_on_one_rank_fails_every_rank_together():
     """The sparse gradient is flagged in the round's buffer, so every rank raises (none waits for a sum
     that the others abandoned), naming the option's alternative."""

@@ -76,6 +76,7 @@ from torch.optim import Optimizer
 
 from lightning_partial.collectives import PartialCollectiveError
 from lightning_partial.strategies.adaptive_scaling import ADAM_FAMILY, signal_part
+from lightning_partial.strategies.rank_mean import mean_in_place, wire_dtype
 
 __all__ = ["FINISHES", "GradientFinish", "check_finish", "resolve", "resolve_all"]
 
@@ -121,11 +122,6 @@ def resolve_all(value: str, optimizers: Sequence[Optimizer], *, world_size: int,
 
 #: State entries that are the optimizer's counters, identical on every rank: taken from rank 0, never averaged.
 SCALAR_KEYS: frozenset[str] = frozenset({"step", "mu_product"})
-
-
-def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a buffer of ``dtype`` travels in: half precision as float32 (not every gloo build sums it)."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 class GradientFinish:
@@ -184,7 +180,7 @@ class GradientFinish:
         for k, (dtype, members) in enumerate(by_dtype.items()):
             sizes = [p.numel() for p in members]
             total = sum(sizes)
-            flat = torch.zeros(total + len(members), dtype=_wire_dtype(dtype))
+            flat = torch.zeros(total + len(members), dtype=wire_dtype(dtype))
             offset = 0
             for i, (p, n) in enumerate(zip(members, sizes)):
                 if p.grad is not None:
@@ -224,26 +220,8 @@ class GradientFinish:
     def _mean_in_place(self, tensors: Sequence[Tensor], *, round_index: int, what: str,
                        from_rank0: Sequence[bool] = ()) -> None:
         """``tensors`` replaced by their mean over the ranks (or rank 0's where ``from_rank0``), per dtype."""
-        from_rank0 = list(from_rank0) or [False] * len(tensors)
-        by_dtype: dict[torch.dtype, list[tuple[Tensor, bool]]] = {}
-        for t, scalar in zip(tensors, from_rank0):
-            by_dtype.setdefault(t.dtype, []).append((t, scalar))
-        for dtype, members in by_dtype.items():
-            wire = _wire_dtype(dtype)
-            flat = torch.cat([
-                (torch.zeros(t.numel(), dtype=wire) if scalar and self.rank != 0
-                 else t.detach().reshape(-1).to(device="cpu", dtype=wire))
-                for t, scalar in members
-            ])
-            self._sum(flat, round_index=round_index, what=what)
-            offset = 0
-            for t, scalar in members:
-                n = t.numel()
-                part = flat[offset:offset + n]
-                offset += n
-                if not scalar:
-                    part.div_(self.world_size)
-                t.copy_(part.view(t.shape))
+        mean_in_place(tensors, rank=self.rank, world_size=self.world_size, from_rank0=from_rank0,
+                      sum_=lambda buffer: self._sum(buffer, round_index=round_index, what=what))
 
     @torch.no_grad()
     def average_state(self, optimizer: Optimizer, params: Sequence[Tensor], *, noise_correction: bool,

@@ -60,6 +60,7 @@ from lightning_partial.strategies.fit_state import FitState
 from lightning_partial.strategies.options import ProcessGroupOptions
 from lightning_partial.strategies.prediction import WeightPrediction
 from lightning_partial.strategies.process_group import ProcessGroupStrategy
+from lightning_partial.strategies.rank_mean import mean_in_place
 
 log = logging.getLogger(__name__)
 
@@ -438,20 +439,13 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
 
     def _mean_over_ranks(self, tensors: Sequence[torch.Tensor]) -> None:
         """Every rank, main thread, collective group: each floating-point tensor replaced in place by its mean
-        over the ranks, any other by rank 0's (bounded by the group's timeout). Nothing on one rank."""
+        over the ranks, any other by rank 0's (one allreduce per dtype, bounded by the group's timeout;
+        :func:`~lightning_partial.strategies.rank_mean.mean_in_place`). Nothing on one rank."""
         if self.world_size < 2 or not _compat._distributed_is_initialized():
             return
         group = self.collective_group
-        with torch.no_grad():
-            for t in tensors:
-                host = self._to_host(t)
-                if t.is_floating_point():
-                    dist.all_reduce(host, op=dist.ReduceOp.SUM, group=group)
-                    host.div_(self.world_size)
-                else:
-                    dist.broadcast(host, src=0, group=group)
-                if host is not t:
-                    t.copy_(host)
+        mean_in_place(tensors, rank=self.global_rank, world_size=self.world_size,
+                      sum_=lambda buffer: dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group))
 
     def _average_buffers(self) -> None:
         """Every rank, main thread, collective group, once at the end of fit: makes the buffers identical.

@@ -1,0 +1,67 @@
+"""Tensors replaced in place by their mean over the ranks: one host buffer and one sum per dtype.
+
+Shared by the strategies' end-of-fit buffer average
+(:meth:`~lightning_partial.strategies.partial.PartialStrategy._mean_over_ranks`) and by
+``finish="gradients"``'s parameter and optimizer-state averages
+(:class:`~lightning_partial.strategies.gradient_finish.GradientFinish`). The caller
+supplies the sum (which group, which bound, which error): this module issues no
+collective of its own, so it serves any thread and group the caller's contract names.
+
+* Host buffers: the strategies' collective group is gloo, also beside a NCCL default
+  group, so CUDA tensors travel through host memory (a copy each way).
+* Half precision travels as float32 (not every gloo build sums float16 or bfloat16).
+* A tensor that is not floating point (``num_batches_tracked``), or one flagged
+  ``from_rank0`` (an optimizer's ``step``), takes rank 0's value: the other ranks send
+  zeros into the same sum, so one collective per dtype serves both kinds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+__all__ = ["mean_in_place", "wire_dtype"]
+
+
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a buffer of ``dtype`` travels in: half precision as float32, ``bool`` as ``uint8`` (not every
+    gloo build sums them)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return torch.uint8 if dtype == torch.bool else dtype
+
+
+@torch.no_grad()
+def mean_in_place(tensors: Sequence[Tensor], *, rank: int, world_size: int, sum_: Callable[[Tensor], None],
+                  from_rank0: Sequence[bool] = ()) -> None:
+    """Each tensor replaced by its mean over the ``world_size`` ranks, or by rank 0's (see the module docstring).
+
+    ``sum_(buffer)`` sums a host buffer over the ranks in place; it is called once per
+    dtype, in the order the dtypes first appear in ``tensors``, which must be the same
+    list (shapes, dtypes, flags) on every rank. Nothing happens without tensors.
+    """
+    flags = list(from_rank0) or [False] * len(tensors)
+    if len(flags) != len(tensors):
+        raise ValueError(f"from_rank0 has {len(flags)} flags for {len(tensors)} tensors")
+    by_dtype: dict[torch.dtype, list[tuple[Tensor, bool]]] = {}
+    for t, flagged in zip(tensors, flags):
+        by_dtype.setdefault(t.dtype, []).append((t, flagged or not t.is_floating_point()))
+    for dtype, members in by_dtype.items():
+        wire = wire_dtype(dtype)
+        flat = torch.cat([
+            (torch.zeros(t.numel(), dtype=wire) if rank0 and rank != 0
+             else t.detach().reshape(-1).to(device="cpu", dtype=wire))
+            for t, rank0 in members
+        ])
+        sum_(flat)
+        offset = 0
+        for t, rank0 in members:
+            n = t.numel()
+            part = flat[offset:offset + n]
+            offset += n
+            if not rank0:
+                part.div_(world_size)
+            t.copy_(part.view(t.shape))
