@@ -10,6 +10,8 @@ import this module, and importing Lightning costs seconds a process.
   during which the host's hypervisor took much of the CPU is run again.
 * :func:`live_group_members`, :func:`kill_group`: a fit runs in its own process
   group (``start_new_session=True``), killed whole when it ends or times out.
+* :func:`add_device_argument`, :func:`emulated_device`: ``--device-ms-per-sample``,
+  compute emulated as an accelerator's, during which the host's cores are free.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -57,6 +60,60 @@ def thread_environment(threads: int) -> dict[str, str]:
     """Environment variables of a fit's processes: ``threads`` intra-op threads (Lightning's launcher hands
     them on to ranks 1..P-1)."""
     return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+# ---------------------------------------------------------------------- emulated devices
+def non_negative_ms(value: str) -> float:
+    """argparse type: a finite number of milliseconds >= 0."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not number >= 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {value!r}")
+    return number
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    """``--device-ms-per-sample`` (default 0: the real compute only)."""
+    parser.add_argument("--device-ms-per-sample", type=non_negative_ms, default=0.0,
+                        help="emulated device time: every micro-batch also sleeps this many ms per sample after its "
+                             "backward (divided by the rank's speed factor, where the benchmark has one), as a "
+                             "rank whose compute runs on an accelerator while its host's cores stay free "
+                             "(default 0: the real compute only)")
+
+
+def emulated_device(ms_per_sample: float, speed: Optional[tuple[float, ...]] = None) -> Any:
+    """A Lightning callback: after each backward, sleeps ``ms_per_sample x samples / f`` (``f``: the rank's
+    entry in ``speed``, 1 without one; ``samples``: the micro-batch's first tensor's length).
+
+    On 4 ranks sharing 2 cores, the ranks' compute, gloo's threads and the communication
+    threads compete for the CPU, so a rank that waits frees a core for the others and a
+    collective's CPU comes out of the compute. An accelerator's compute does neither: the host
+    thread blocks while the device works. The sleep stands for that part; the model still
+    trains on its real gradients. ``LoadImbalance(speed=...)`` scales the real compute (CPU
+    time, which excludes this sleep), so the two add up to a device ``1/f`` times slower.
+    """
+    import lightning.pytorch as pl  # here, not at module level: parents do not import Lightning
+
+    class EmulatedDevice(pl.Callback):
+        def __init__(self) -> None:
+            self.samples = 0
+            self.factor = 1.0
+            self.slept_s = 0.0
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            self.factor = speed[trainer.global_rank] if speed is not None else 1.0
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.samples = len(batch[0])
+
+        def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+            seconds = ms_per_sample * 1e-3 * self.samples / self.factor
+            self.slept_s += seconds
+            time.sleep(seconds)
+
+    return EmulatedDevice()
 
 
 def positive_int(value: str) -> int:

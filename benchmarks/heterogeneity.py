@@ -86,6 +86,10 @@ Run from the repository's root; the package need not be installed (the fits
 run as ``python -m benchmarks.heterogeneity --run NAME`` in that directory);
 matplotlib is optional (without it, no PNG).
 
+``--device-ms-per-sample X`` (default 0) adds ``X`` ms per sample of sleep after every backward, divided by the
+rank's speed factor, in every configuration: compute emulated as an accelerator's, during which the host's cores
+stay free (``benchmarks.harness.emulated_device``; recorded as ``device_ms_per_sample``).
+
 Run: ``python -m benchmarks.heterogeneity`` (about 3-4 minutes, on an idle machine);
 ``python -m benchmarks.heterogeneity --threads 3 --out benchmarks/results/heterogeneity_16core.json`` on 16 cores.
 """
@@ -114,8 +118,12 @@ from benchmarks.harness import (
     BARE_TRAINER,
     REPO,
     RESULTS,
+    add_device_argument,
     add_steal_arguments,
     cpu_ticks,
+    emulated_device,
+    kill_group,
+    live_group_members,
     module_command,
     positive_int,
     retry_while_stolen,
@@ -136,6 +144,7 @@ from benchmarks.imbalance.task import (
 SPEED = (1.0, 1.0, 0.5, 0.25)
 CONFIGS = ("ddp", "abs_sgd", "no_comm")
 WINDOW = 10
+FIT_TIMEOUT_S = 900  # one fit, start-up and every rank's record included
 GLOBAL_BATCH = "global_batch"  # ABSSGDStrategy's value for reference_samples and step_samples
 MODELS = ("cnn", "mlp")
 #: Plain SGD's learning rates; with momentum ``mu`` the default is ``(1 - mu)`` of them (the same effective
@@ -284,6 +293,8 @@ def run_worker(args: argparse.Namespace) -> int:
 
     clock = Clock()
     callbacks: list[Any] = [clock, LoadImbalance(speed=args.speed, log=False)]
+    if args.device_ms_per_sample > 0:
+        callbacks.append(emulated_device(args.device_ms_per_sample, args.speed))
     if args.run == "abs_sgd":
         if args.interval is not None:  # the "time" trigger
             trigger: dict[str, Any] = {"trigger": "time", "interval": args.interval}
@@ -455,20 +466,34 @@ def worker_command(args: argparse.Namespace, name: str) -> list[str]:
             "--lr-schedule", args.lr_schedule,
             "--weight-prediction" if args.weight_prediction else "--no-weight-prediction",
             "--abs-epochs", str(args.abs_epochs), "--threads", str(args.threads), "--final-sync", str(args.final_sync),
-            "--delay", str(args.delay), *(["--thread-cpu"] if args.thread_cpu else [])]
+            "--delay", str(args.delay), "--device-ms-per-sample", str(args.device_ms_per_sample),
+            *(["--thread-cpu"] if args.thread_cpu else [])]
 
 
 def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """One 4-process fit of configuration ``name``; its figures, rank 0's loss curve and the CPU stolen meanwhile."""
     for stale in args.workdir.glob(f"{name}.rank*.json"):
         stale.unlink()
-    subprocess.run(worker_command(args, name), check=True, timeout=900, cwd=REPO,
-                   env={**os.environ, **thread_environment(args.threads), "PYTHONWARNINGS": "ignore"})
     files = [args.workdir / f"{name}.rank{r}.json" for r in range(4)]
-    # The launcher (rank 0) may exit before the other ranks wrote (no_comm ends without a barrier).
-    deadline = time.monotonic() + 60
-    while not all(f.exists() for f in files) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    deadline = time.monotonic() + FIT_TIMEOUT_S
+    # A session of its own: the fit's ranks (rank 0 and the 3 processes Lightning starts) form one process
+    # group, killed whole when the fit ends or runs out of time.
+    proc = subprocess.Popen(worker_command(args, name), cwd=REPO, start_new_session=True,
+                            env={**os.environ, **thread_environment(args.threads), "PYTHONWARNINGS": "ignore"})
+    try:
+        rc = proc.wait(timeout=FIT_TIMEOUT_S)
+        # The launcher (rank 0) may exit before the other ranks wrote (no_comm ends without a barrier, and its
+        # slowest rank trains longest): wait while any of them still runs.
+        while rc == 0 and not all(f.exists() for f in files) and live_group_members(proc.pid):
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(proc.args, FIT_TIMEOUT_S)
+            time.sleep(0.2)
+    finally:
+        kill_group(proc.pid)
+        proc.wait()
+    missing = [f.name for f in files if not f.exists()]
+    if rc != 0 or missing:
+        raise RuntimeError(f"{name}: the fit exited with {rc}; no record from {missing or 'none missing'}")
     ranks = [json.loads(f.read_text()) for f in files]
     steals = [r["steal_fraction"] for r in ranks if r.get("steal_fraction") is not None]
     wall = max(r["t_end"] for r in ranks) - min(r["t_start"] for r in ranks)
@@ -586,7 +611,8 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             "adaptive": args.adaptive, "final_sync": args.final_sync, "delay": args.delay,
             "abs_epochs": args.abs_epochs, "steps": args.steps, "batch_size": args.batch_size,
             "abs_batch_size": args.abs_batch_size, "repeats": args.repeats, "threads": args.threads,
-            "environment": environment(args), "results": results, "summary": summary}
+            "device_ms_per_sample": args.device_ms_per_sample, "environment": environment(args), "results": results,
+            "summary": summary}
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
@@ -686,6 +712,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--thread-cpu", action="store_true",
                         help="record each rank's CPU seconds by thread (training loop, communication thread, "
                              "gloo and store threads) from /proc; reads /proc at every batch")
+    add_device_argument(parser)
     parser.add_argument("--threads", type=positive_int, default=1,
                         help="intra-op threads of every rank (default 1; e.g. 3 on 16 cores)")
     parser.add_argument("--run", choices=CONFIGS, default=None, help=argparse.SUPPRESS)

@@ -40,7 +40,7 @@ def test_the_bound_window_starts_at_the_last_rank_to_step_and_must_exist():
     [],
     ["--model", "mlp", "--seed", "3", "--interval", "0.03", "--abs-lr", "0.25", "--abs-batch-size", "64",
      "--reference-samples", "512", "--adaptive", "--thread-cpu", "--momentum", "0.9", "--optimizer", "adamw",
-     "--speed", "1,0.5"],
+     "--speed", "1,0.5", "--device-ms-per-sample", "0.5"],
     ["--target-samples", "256", "--reference-samples", "none", "--step-samples", "1024", "--momentum", "0",
      "--no-weight-prediction", "--staleness-rule", "none", "--lr-schedule", "cosine"],
 ])
@@ -54,6 +54,22 @@ def test_the_workers_get_every_option_the_parent_has(argv):
     for key, value in vars(parent).items():
         if key not in ("run", "repeats", "out", "max_steal", "steal_retries"):
             assert getattr(worker, key) == value, key
+
+
+def test_the_emulated_device_sleeps_its_time_per_sample_over_the_ranks_speed_and_refuses_bad_input():
+    from types import SimpleNamespace
+
+    from benchmarks import harness
+
+    device = harness.emulated_device(0.002, (1.0, 0.25))
+    device.setup(SimpleNamespace(global_rank=1), None, "fit")
+    device.on_train_batch_start(None, None, (torch.zeros(10, 3), torch.zeros(10)), 0)
+    device.on_after_backward(None, None)
+    device.on_after_backward(None, None)  # each backward of the batch (accumulation) is compute too
+    assert device.slept_s == pytest.approx(2 * 0.002e-3 * 10 / 0.25)
+    for bad in ("-1", "nan", "inf", "x"):
+        with pytest.raises(SystemExit):
+            heterogeneity.build_parser().parse_args(["--device-ms-per-sample", bad])
 
 
 def test_abs_sgd_runs_at_the_strategy_defaults_unless_told_and_bad_sample_options_fail():

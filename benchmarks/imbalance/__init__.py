@@ -83,6 +83,12 @@ sleep of ``D`` (``LoadImbalance(delay_ms=...)``), whatever the thread count:
 the callback measures compute only for ``speed`` factors, which are not used
 here. ``threads`` is recorded in the JSON (``settings`` and ``environment``).
 
+**Emulated devices.** ``--device-ms-per-sample X`` (default 0) adds ``X`` ms per
+sample of sleep after every backward, on every rank and in every configuration,
+as an accelerator's compute during which the host's cores stay free
+(``benchmarks.harness.emulated_device``); the calibrated ``D`` then covers it
+(``2 x`` (the concurrent step + ``X x`` the batch)). Recorded in ``settings``.
+
 **Measurements** (per rank, then summarised): the wall time of the training
 steps, from the rank's first ``on_train_batch_start`` (before the injected
 delay) to the end of the strategy's ``on_train_end`` (after eager-SGD's final

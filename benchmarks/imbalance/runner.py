@@ -26,6 +26,7 @@ import torch
 from benchmarks.harness import (
     REPO,
     RESULTS,
+    add_device_argument,
     add_steal_arguments,
     kill_group,
     launch_environment,
@@ -136,6 +137,7 @@ def run_fit(config: Config, tag: str, args: argparse.Namespace, delay_ms: float)
         "--schedule", args.schedule, "--optimizer", args.optimizer,
         "--localsgd-warmup", str(args.localsgd_warmup), "--averaging-period", str(args.averaging_period),
         "--digest-steps", str(args.digest_steps), "--threads", str(args.threads),
+        "--device-ms-per-sample", repr(args.device_ms_per_sample),
     )
     env = launch_environment(**thread_environment(args.threads), PYTHONUNBUFFERED="1")
     log_path = args.workdir / f"{tag}.log"
@@ -185,11 +187,13 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     calibration: dict[str, Any]
     if args.delay_ms is None:
         calibration = calibrate(args.batch_size, args.width, args.depth, threads=args.threads)
-        delay_ms = 2.0 * calibration["concurrent_ms"]
+        device_ms = args.device_ms_per_sample * args.batch_size
+        delay_ms = 2.0 * (calibration["concurrent_ms"] + device_ms)
         calibration["method"] = (
             f"mean step time (forward + backward + SGD step, batch {args.batch_size}, {args.threads} "
             f"thread{'s' if args.threads > 1 else ''}) of {WORLD} "
-            f"concurrent processes on {env['cpus']} cores, as the {WORLD} ranks compete in the fits; D = 2 x that"
+            f"concurrent processes on {env['cpus']} cores, as the {WORLD} ranks compete in the fits"
+            + (f", plus {device_ms:g} ms of emulated device time per step" if device_ms else "") + "; D = 2 x that"
         )
     else:
         calibration, delay_ms = {"method": "--delay-ms given"}, args.delay_ms
@@ -254,6 +258,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
                 "subgroup": "each rank alone (dist.new_subgroups(group_size=1))", "final_average": True,
             },
             "imbalance": {"stragglers_per_step": 1, "delay_ms": delay_ms, "seed": args.seed},
+            "device_ms_per_sample": args.device_ms_per_sample,
         },
         "calibration": calibration,
         "notes": [
@@ -301,6 +306,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per fit before its process group is killed")
     parser.add_argument("--threads", type=positive_int, default=1,
                         help="intra-op threads of every rank and calibration process (default 1)")
+    add_device_argument(parser)
     parser.add_argument("--seed", type=int, default=0)
     add_steal_arguments(parser)
     parser.add_argument("--width", type=int, default=512)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import BARE_TRAINER, cpu_ticks, set_threads, steal_between
+from benchmarks.harness import BARE_TRAINER, cpu_ticks, emulated_device, set_threads, steal_between
 from benchmarks.imbalance.configs import CONFIGS, WORLD, Config
 from benchmarks.imbalance.task import (
     TRAIN_EVAL_SAMPLES,
@@ -224,6 +224,8 @@ def run_worker(args: argparse.Namespace) -> int:
     counter.install()
     recorder = StepRecorder(args.digest_steps, counter)
     callbacks: list[Any] = [recorder]
+    if args.device_ms_per_sample > 0:
+        callbacks.append(emulated_device(args.device_ms_per_sample))
     imbalance = None
     if config.imbalanced:
         # log=False: a per-step self.log costs every imbalanced configuration alike and nothing reads it here.
