@@ -216,7 +216,8 @@ def kill_group(pgid: int) -> None:
 
 
 __all__ = [
-    "BARE_TRAINER", "RANK_VARIABLES", "REPO", "RESULTS", "add_steal_arguments", "cpu_ticks", "free_port", "kill_group",
-    "launch_environment", "live_group_members", "module_command", "package_version", "positive_int",
-    "retry_while_stolen", "set_threads", "steal_between", "thread_environment",
+    "BARE_TRAINER", "RANK_VARIABLES", "REPO", "RESULTS", "add_device_argument", "add_steal_arguments", "cpu_ticks",
+    "emulated_device", "free_port", "kill_group", "launch_environment", "live_group_members", "module_command",
+    "non_negative_ms", "package_version", "positive_int", "retry_while_stolen", "set_threads", "steal_between",
+    "thread_environment",
 ]

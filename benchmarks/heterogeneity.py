@@ -560,7 +560,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
         for name in CONFIGS:
             began = time.monotonic()
             kept = retry_while_stolen(lambda attempt, name=name: run_fit(args, name), args, f"{name}.{repeat}")
-            assert kept is not None  # run_fit raises on a failed fit (check=True)
+            assert kept is not None  # run_fit raises on a failed fit
             runs[name].append(kept)
             logging.info("%s.%d: done in %.0f s (host steal %s)", name, repeat, time.monotonic() - began,
                          f"{kept['steal_fraction']:.1%}" if kept["steal_fraction"] is not None else "unknown")

@@ -63,13 +63,30 @@ def test_the_emulated_device_sleeps_its_time_per_sample_over_the_ranks_speed_and
 
     device = harness.emulated_device(0.002, (1.0, 0.25))
     device.setup(SimpleNamespace(global_rank=1), None, "fit")
-    device.on_train_batch_start(None, None, (torch.zeros(10, 3), torch.zeros(10)), 0)
-    device.on_after_backward(None, None)
-    device.on_after_backward(None, None)  # each backward of the batch (accumulation) is compute too
-    assert device.slept_s == pytest.approx(2 * 0.002e-3 * 10 / 0.25)
+    for samples in (10, 6):  # a micro-batch's own size (AdaptiveBatchSize changes it between batches)
+        device.on_train_batch_start(None, None, (torch.zeros(samples, 3), torch.zeros(samples)), 0)
+        device.on_after_backward(None, None)
+    assert device.slept_s == pytest.approx(0.002e-3 * (10 + 6) / 0.25)
     for bad in ("-1", "nan", "inf", "x"):
         with pytest.raises(SystemExit):
             heterogeneity.build_parser().parse_args(["--device-ms-per-sample", bad])
+
+
+def test_the_imbalance_workers_get_every_option_the_parent_has(tmp_path):
+    from benchmarks.imbalance import runner
+
+    parent = runner.parse_args(["--steps", "7", "--batch-size", "64", "--seed", "2", "--width", "32", "--depth", "2",
+                                "--lr", "0.125", "--momentum", "0.5", "--optimizer", "adamw", "--schedule", "constant",
+                                "--localsgd-warmup", "3", "--averaging-period", "2", "--digest-steps", "5",
+                                "--threads", "2", "--device-ms-per-sample", "0.25", "--workdir", str(tmp_path)])
+    command = runner.worker_command("eager_sgd_imbalanced", "t.0", parent, 12.5)
+    assert command[1:3] == ["-m", "benchmarks.imbalance"]
+    worker = runner.parse_args(command[3:])
+    assert (worker.run, worker.tag, worker.delay_ms) == ("eager_sgd_imbalanced", "t.0", 12.5)
+    for key, value in vars(parent).items():
+        if key not in ("run", "tag", "delay_ms", "repeats", "only", "out", "timeout", "keep_workdir", "max_steal",
+                       "steal_retries"):
+            assert getattr(worker, key) == value, key
 
 
 def test_abs_sgd_runs_at_the_strategy_defaults_unless_told_and_bad_sample_options_fail():

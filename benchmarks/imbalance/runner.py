@@ -127,10 +127,10 @@ def calibrate(
     return result
 
 
-def run_fit(config: Config, tag: str, args: argparse.Namespace, delay_ms: float) -> list[dict] | None:
-    """Runs one configuration as a 4-process fit in its own process group; returns the 4 rank records."""
-    cmd = module_command(
-        "benchmarks.imbalance", "--run", config.name, "--tag", tag,
+def worker_command(name: str, tag: str, args: argparse.Namespace, delay_ms: float) -> list[str]:
+    """The command line of configuration ``name``'s fit: every option the workers read, as the parent has it."""
+    return module_command(
+        "benchmarks.imbalance", "--run", name, "--tag", tag,
         "--workdir", str(args.workdir), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
         "--delay-ms", repr(delay_ms), "--seed", str(args.seed), "--width", str(args.width),
         "--depth", str(args.depth), "--lr", repr(args.lr), "--momentum", repr(args.momentum),
@@ -139,6 +139,11 @@ def run_fit(config: Config, tag: str, args: argparse.Namespace, delay_ms: float)
         "--digest-steps", str(args.digest_steps), "--threads", str(args.threads),
         "--device-ms-per-sample", repr(args.device_ms_per_sample),
     )
+
+
+def run_fit(config: Config, tag: str, args: argparse.Namespace, delay_ms: float) -> list[dict] | None:
+    """Runs one configuration as a 4-process fit in its own process group; returns the 4 rank records."""
+    cmd = worker_command(config.name, tag, args, delay_ms)
     env = launch_environment(**thread_environment(args.threads), PYTHONUNBUFFERED="1")
     log_path = args.workdir / f"{tag}.log"
     paths = [args.workdir / f"{tag}.rank{r}.json" for r in range(WORLD)]

@@ -129,7 +129,7 @@ class GradientFinish:
 
     Args:
         group: the process group (the strategy's gloo collective group).
-        rank: this rank (for errors).
+        rank: this rank (named in errors; rank 0's values are the optimizer's counters everywhere).
         world_size: P.
         arrival_timeout: bound on a round's first collective, which waits for the slowest
             rank's compute (the strategy's ``timeout``, as the engine's synchronous rounds).

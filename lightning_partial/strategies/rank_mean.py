@@ -50,12 +50,14 @@ def mean_in_place(tensors: Sequence[Tensor], *, rank: int, world_size: int, sum_
     for t, flagged in zip(tensors, flags):
         by_dtype.setdefault(t.dtype, []).append((t, flagged or not t.is_floating_point()))
     for dtype, members in by_dtype.items():
-        wire = wire_dtype(dtype)
-        flat = torch.cat([
-            (torch.zeros(t.numel(), dtype=wire) if rank0 and rank != 0
-             else t.detach().reshape(-1).to(device="cpu", dtype=wire))
-            for t, rank0 in members
-        ])
+        # One buffer, filled slice by slice: a CUDA tensor costs its own size in host memory once, not twice.
+        flat = torch.zeros(sum(t.numel() for t, _ in members), dtype=wire_dtype(dtype))
+        offset = 0
+        for t, rank0 in members:
+            n = t.numel()
+            if not (rank0 and rank != 0):  # the others send zeros for rank 0's values
+                flat[offset:offset + n].copy_(t.detach().reshape(-1))
+            offset += n
         sum_(flat)
         offset = 0
         for t, rank0 in members:
