@@ -8,8 +8,8 @@ import this module, and importing Lightning costs seconds a process.
 * :func:`set_threads`, :func:`thread_environment`: intra-op threads of a rank.
 * :func:`cpu_ticks`, :func:`steal_between`, :func:`retry_while_stolen`: a fit
   during which the host's hypervisor took much of the CPU is run again.
-* :func:`live_group_members`, :func:`kill_group`: a fit runs in its own process
-  group (``start_new_session=True``), killed whole when it ends or times out.
+* :func:`run_in_group`, :func:`live_group_members`, :func:`kill_group`: a fit runs in its
+  own process group (``start_new_session=True``), killed whole when it ends or times out.
 * :func:`add_device_argument`, :func:`emulated_device`: ``--device-ms-per-sample``,
   compute emulated as an accelerator's, during which the host's cores are free.
 """
@@ -20,6 +20,7 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from importlib import metadata
@@ -215,9 +216,38 @@ def kill_group(pgid: int) -> None:
         pass
 
 
+def run_in_group(cmd: list[str], *, records: list[Path], timeout: float, env: dict[str, str],
+                 stdout: Any = None) -> Optional[int]:
+    """Runs a fit's launcher ``cmd`` (``cwd=REPO``) in a session of its own; returns its exit status, ``None`` if
+    the fit ran past ``timeout`` seconds.
+
+    The fit's ranks (the launcher and the processes Lightning starts) form one process group.
+    The launcher may exit before the other ranks wrote their ``records`` (a fit that ends
+    without a barrier, whose slowest rank trains longest): after a clean exit this waits
+    while any member still runs and a record is missing, within the same ``timeout``. The
+    group is killed at the end whatever happened (also on ``KeyboardInterrupt``): nothing
+    outlives its fit.
+    """
+    deadline = time.monotonic() + timeout
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None, env=env,
+                            cwd=REPO, start_new_session=True)
+    try:
+        rc: Optional[int] = proc.wait(timeout=timeout)
+        while rc == 0 and not all(p.exists() for p in records) and live_group_members(proc.pid):
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            time.sleep(0.2)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        kill_group(proc.pid)
+        proc.wait()
+    return rc
+
+
 __all__ = [
     "BARE_TRAINER", "RANK_VARIABLES", "REPO", "RESULTS", "add_device_argument", "add_steal_arguments", "cpu_ticks",
     "emulated_device", "free_port", "kill_group", "launch_environment", "live_group_members", "module_command",
-    "non_negative_ms", "package_version", "positive_int", "retry_while_stolen", "set_threads", "steal_between",
-    "thread_environment",
+    "non_negative_ms", "package_version", "positive_int", "retry_while_stolen", "run_in_group", "set_threads",
+    "steal_between", "thread_environment",
 ]

@@ -116,17 +116,15 @@ import torch
 
 from benchmarks.harness import (
     BARE_TRAINER,
-    REPO,
     RESULTS,
     add_device_argument,
     add_steal_arguments,
     cpu_ticks,
     emulated_device,
-    kill_group,
-    live_group_members,
     module_command,
     positive_int,
     retry_while_stolen,
+    run_in_group,
     set_threads,
     steal_between,
     thread_environment,
@@ -475,22 +473,11 @@ def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     for stale in args.workdir.glob(f"{name}.rank*.json"):
         stale.unlink()
     files = [args.workdir / f"{name}.rank{r}.json" for r in range(4)]
-    deadline = time.monotonic() + FIT_TIMEOUT_S
-    # A session of its own: the fit's ranks (rank 0 and the 3 processes Lightning starts) form one process
-    # group, killed whole when the fit ends or runs out of time.
-    proc = subprocess.Popen(worker_command(args, name), cwd=REPO, start_new_session=True,
-                            env={**os.environ, **thread_environment(args.threads), "PYTHONWARNINGS": "ignore"})
-    try:
-        rc = proc.wait(timeout=FIT_TIMEOUT_S)
-        # The launcher (rank 0) may exit before the other ranks wrote (no_comm ends without a barrier, and its
-        # slowest rank trains longest): wait while any of them still runs.
-        while rc == 0 and not all(f.exists() for f in files) and live_group_members(proc.pid):
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(proc.args, FIT_TIMEOUT_S)
-            time.sleep(0.2)
-    finally:
-        kill_group(proc.pid)
-        proc.wait()
+    command = worker_command(args, name)
+    rc = run_in_group(command, records=files, timeout=FIT_TIMEOUT_S,
+                      env={**os.environ, **thread_environment(args.threads), "PYTHONWARNINGS": "ignore"})
+    if rc is None:
+        raise subprocess.TimeoutExpired(command, FIT_TIMEOUT_S)
     missing = [f.name for f in files if not f.exists()]
     if rc != 0 or missing:
         raise RuntimeError(f"{name}: the fit exited with {rc}; no record from {missing or 'none missing'}")

@@ -14,7 +14,6 @@ import logging
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,16 +23,14 @@ from typing import Any
 import torch
 
 from benchmarks.harness import (
-    REPO,
     RESULTS,
     add_device_argument,
     add_steal_arguments,
-    kill_group,
     launch_environment,
-    live_group_members,
     module_command,
     positive_int,
     retry_while_stolen,
+    run_in_group,
     set_threads,
     thread_environment,
 )
@@ -151,22 +148,9 @@ def run_fit(config: Config, tag: str, args: argparse.Namespace, delay_ms: float)
         stale.unlink(missing_ok=True)
     t0 = time.monotonic()
     with open(log_path, "w") as log_file:
-        # A new session: the fit's ranks (rank 0 and the 3 processes Lightning starts)
-        # form one process group that a time-out kills at once.
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
-        try:
-            rc: int | None = proc.wait(timeout=args.timeout)
-            # Rank 0 may exit before ranks 1-3 finish writing: wait for them (bounded).
-            while rc == 0 and not all(p.exists() for p in paths) and live_group_members(proc.pid):
-                if time.monotonic() - t0 > args.timeout:
-                    raise subprocess.TimeoutExpired(cmd, args.timeout)
-                time.sleep(0.2)
-        except subprocess.TimeoutExpired:
-            log.error("%s: no result after %.0f s: killing its process group", tag, args.timeout)
-            rc = None
-        finally:
-            kill_group(proc.pid)  # leftovers (also on KeyboardInterrupt): nothing outlives its fit
-            proc.wait()
+        rc = run_in_group(cmd, records=paths, timeout=args.timeout, env=env, stdout=log_file)
+    if rc is None:
+        log.error("%s: no result after %.0f s: killed its process group", tag, args.timeout)
     elapsed = time.monotonic() - t0
     if rc != 0 or not all(p.exists() for p in paths):
         tail = log_path.read_text(errors="replace").splitlines()[-40:]
