@@ -89,6 +89,27 @@ def test_the_imbalance_workers_get_every_option_the_parent_has(tmp_path):
             assert getattr(worker, key) == value, key
 
 
+def test_the_imbalance_benchmark_gives_abs_sgd_the_others_samples_in_whole_epochs(tmp_path):
+    from benchmarks.imbalance import runner
+    from benchmarks.imbalance.worker import abs_sgd_epochs
+
+    assert abs_sgd_epochs(256, 384) == 3  # 256 x 4 x 384 = 3 x 131,072
+    assert abs_sgd_epochs(256, 128) == 1
+    with pytest.raises(ValueError, match="--steps a multiple of 256"):
+        abs_sgd_epochs(250, 384)
+    # The parent refuses before any fit starts.
+    with pytest.raises(SystemExit, match="whole epochs"):
+        runner.run_parent(runner.parse_args(["--only", "abs_sgd_imbalanced", "--workdir", str(tmp_path)]))
+    # Its batches are micro-batches: replicas are judged at the end of fit only.
+    from benchmarks.imbalance.configs import CONFIGS
+    from benchmarks.imbalance.report import _replica_check
+
+    ranks = [{"digests": [1.0, float(r)], "final_digest": 5.0} for r in range(4)]
+    assert _replica_check(CONFIGS["abs_sgd_imbalanced"], ranks, runner.parse_args([]))["ok"]
+    ranks[3]["final_digest"] = 5.5
+    assert not _replica_check(CONFIGS["abs_sgd_imbalanced"], ranks, runner.parse_args([]))["ok"]
+
+
 def test_abs_sgd_runs_at_the_strategy_defaults_unless_told_and_bad_sample_options_fail():
     args = heterogeneity.build_parser().parse_args([])
     assert (args.target_samples, args.reference_samples, args.step_samples) == (None, "global_batch", "global_batch")

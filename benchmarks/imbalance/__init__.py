@@ -44,7 +44,13 @@ for 3 of the 4 ranks); weight prediction off (the strategy's default is on):
 (re-timed), ``eager_sgd_overlap_inverse_imbalanced`` (rule ``"inverse"``: not re-timed),
 ``eager_sgd_overlap_unbounded_imbalanced``, ``eager_sgd_overlap_s4_imbalanced``,
 ``eager_sgd_overlap_balanced`` and ``eager_sgd_backup_overlap_imbalanced``. The strategy's
-default rule is ``"auto"``: ``"inverse"`` under momentum. ``--optimizer adamw``
+default rule is ``"auto"``: ``"inverse"`` under momentum. ABS-SGD under the same stragglers:
+``abs_sgd_imbalanced`` (``strategy="abs_sgd"``), ``abs_sgd_delay1_imbalanced`` (``delay=1``, for
+``--optimizer adamw``, where the default is 0), ``abs_sgd_t768_imbalanced``, ``abs_sgd_t1152_imbalanced``,
+``abs_sgd_t1536_imbalanced`` (``target_samples``: fewer, larger rounds) and
+``abs_sgd_delay1_t768_imbalanced``; its ranks draw different numbers of batches, so its fits are bounded by
+epochs (``--steps`` x 4 x ``--batch-size`` must be whole epochs of the data: ``--steps 256``), and the
+replicas are compared at the end of fit only. ``--optimizer adamw``
 trains every configuration with AdamW (``betas=(--momentum, 0.999)``) instead of SGD.
 
 **Task.** 10-class classification of ``x ~ N(0, I_32)`` labelled by a fixed

@@ -13,7 +13,9 @@ class Config:
     """One benchmark configuration: which strategy, with or without injected imbalance."""
 
     name: str
-    strategy: str  # "ddp", "eager_sgd", "eager_sgd_majority", "eager_sgd_backup", "post_local_sgd" or "no_comm"
+    # "ddp", "eager_sgd", "eager_sgd_majority", "eager_sgd_backup", "wagma_sgd", "ds_sync", "abs_sgd",
+    # "post_local_sgd" or "no_comm"
+    strategy: str
     imbalanced: bool
     label: str
     # Keyword arguments of a configured strategy object (``EagerSGDStrategy(**options)``);
@@ -97,6 +99,22 @@ CONFIGS: dict[str, Config] = {
                (("adaptive_scaling", "none"),), default=False),
         Config("ds_sync_no_scaling_imbalanced", "ds_sync", True, "DS-Sync, adaptive_scaling='none'",
                (("adaptive_scaling", "none"),), default=False),
+        # ABS-SGD under the same random stragglers: rounds paced by the fastest rank, each rank contributing the
+        # micro-batches it finished (elastic sampling: a straggling rank draws fewer), so no rank waits for a
+        # straggler and no lag accumulates. Trains the same samples as the others over whole epochs
+        # (--steps x 4 x --batch-size must be a multiple of the data set: --steps 256 with the default batch).
+        Config("abs_sgd_imbalanced", "abs_sgd", True, "ABS-SGD (delay auto: 1 under SGD, 0 under AdamW)",
+               default=False),
+        Config("abs_sgd_delay1_imbalanced", "abs_sgd", True, "ABS-SGD, delay=1", (("delay", 1),), default=False),
+        # Fewer rounds: a rank requests one after 2 or 3 micro-batches (384 samples each by default), not each.
+        Config("abs_sgd_t768_imbalanced", "abs_sgd", True, "ABS-SGD, target_samples=768",
+               (("target_samples", 768),), default=False),
+        Config("abs_sgd_t1152_imbalanced", "abs_sgd", True, "ABS-SGD, target_samples=1152",
+               (("target_samples", 1152),), default=False),
+        Config("abs_sgd_delay1_t768_imbalanced", "abs_sgd", True, "ABS-SGD, delay=1, target_samples=768",
+               (("delay", 1), ("target_samples", 768)), default=False),
+        Config("abs_sgd_t1536_imbalanced", "abs_sgd", True, "ABS-SGD, target_samples=1536",
+               (("target_samples", 1536),), default=False),
         Config("no_comm_imbalanced", "no_comm", True, "no communication (bound)"),
     )
 }

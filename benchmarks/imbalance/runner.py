@@ -35,6 +35,7 @@ from benchmarks.harness import (
     thread_environment,
 )
 from benchmarks.imbalance.configs import CONFIGS, WORLD, Config
+from benchmarks.imbalance.worker import abs_sgd_epochs
 from benchmarks.imbalance.report import (
     FIGURES,
     add_ratios,
@@ -169,6 +170,11 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [n for n in selected if n not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
+    if any(CONFIGS[n].strategy == "abs_sgd" for n in selected):
+        try:  # before any fit starts, not in the workers after the others ran
+            abs_sgd_epochs(args.steps, args.batch_size)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
     model_parameters = sum(p.numel() for p in build_mlp(args.width, args.depth).parameters())
     env = environment(args, model_parameters)
     log.info("load average before the run: %s (the figures assume an otherwise idle machine)", env["load_average_at_start"])

@@ -12,6 +12,7 @@ import functools
 import inspect
 import json
 import logging
+import math
 import time
 from typing import Any
 
@@ -21,6 +22,7 @@ from benchmarks.harness import BARE_TRAINER, cpu_ticks, emulated_device, set_thr
 from benchmarks.imbalance.configs import CONFIGS, WORLD, Config
 from benchmarks.imbalance.task import (
     TRAIN_EVAL_SAMPLES,
+    TRAIN_SAMPLES,
     BatchDataset,
     batch_collate,
     build_mlp,
@@ -182,9 +184,11 @@ def _make_strategy(config: Config, args: argparse.Namespace) -> Any:
             return lightning_partial.WAGMAStrategy(**dict(config.options))
         if config.strategy == "ds_sync":
             return lightning_partial.DSSyncStrategy(**dict(config.options))
+        if config.strategy == "abs_sgd":
+            return lightning_partial.ABSSGDStrategy(**dict(config.options))
         mode = "majority" if config.strategy == "eager_sgd_majority" else "solo"
         return lightning_partial.EagerSGDStrategy(**{"mode": mode, **dict(config.options)})
-    if config.strategy in ("ddp", "eager_sgd", "eager_sgd_majority", "eager_sgd_backup", "wagma_sgd", "ds_sync"):
+    if config.strategy in ("ddp", "eager_sgd", "eager_sgd_majority", "eager_sgd_backup", "wagma_sgd", "ds_sync", "abs_sgd"):
         return config.strategy  # registry names, as a user would write them (gloo on CPU)
     from benchmarks.baselines import NoCommStrategy, PostLocalSGDStrategy
 
@@ -195,6 +199,23 @@ def _make_strategy(config: Config, args: argparse.Namespace) -> Any:
     if config.strategy == "no_comm":
         return NoCommStrategy()
     raise ValueError(f"unknown strategy {config.strategy!r}")
+
+
+def abs_sgd_epochs(steps: int, batch_size: int) -> int:
+    """The epochs in which ABS-SGD trains the samples the other configurations train in ``steps`` steps.
+
+    ABS-SGD's ranks draw different numbers of batches and its ``max_steps`` counts rounds of varying size,
+    so its fit is bounded by epochs (``steps x 4 x batch_size`` samples, a whole number of epochs).
+    """
+    samples = steps * WORLD * batch_size
+    if samples % TRAIN_SAMPLES:
+        per_epoch = TRAIN_SAMPLES // math.gcd(TRAIN_SAMPLES, WORLD * batch_size)
+        raise ValueError(
+            f"abs_sgd trains whole epochs of {TRAIN_SAMPLES} samples: --steps x {WORLD} x --batch-size "
+            f"({steps} x {WORLD} x {batch_size} = {samples}) must be a multiple of it, i.e. --steps a multiple "
+            f"of {per_epoch} (--steps 256 with --batch-size 384: 3 epochs)"
+        )
+    return samples // TRAIN_SAMPLES
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -238,7 +259,8 @@ def run_worker(args: argparse.Namespace) -> int:
         # Explicit: a SLURM or torchelastic environment around the benchmark must not
         # change how the 4 local ranks are started.
         plugins=[LightningEnvironment()],
-        max_steps=args.steps,
+        **({"max_epochs": abs_sgd_epochs(args.steps, args.batch_size), "max_steps": -1}
+           if config.strategy == "abs_sgd" else {"max_steps": args.steps}),
         callbacks=callbacks,
         **BARE_TRAINER,
     )
@@ -265,6 +287,7 @@ def run_worker(args: argparse.Namespace) -> int:
         "step_ends_s": [round(t - recorder.t_start, 5) for t in recorder.step_ends],
         "losses": [round(x, 5) for x in model.losses],
         "digests": recorder.digests,
+        "final_digest": parameter_digest(list(model.parameters())),
         "delayed_steps": sum(1 for r in imbalance.records if r.delay_ms > 0) if imbalance is not None else 0,
         "injected_s": imbalance.injected_ms / 1e3 if imbalance is not None else 0.0,
         "test_loss": test_loss,
@@ -277,6 +300,9 @@ def run_worker(args: argparse.Namespace) -> int:
         "collectives_at_batch_end": recorder.collectives_at_batch_end,
         "collectives_total": sum(counter.calls.values()),
         "rounds": recorder.rounds,
+        # Optimizer steps and the last round seen (ABS-SGD: rounds and steps are not batches).
+        "optimizer_steps": trainer.global_step,
+        "last_round": getattr(getattr(trainer.strategy, "round_stats", {}).get(0), "round_index", None),
     }
     path = args.workdir / f"{args.tag}.rank{rank}.json"
     tmp = path.with_suffix(".tmp")
