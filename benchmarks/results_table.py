@@ -14,8 +14,10 @@ Three blocks of README.md are generated, each between a pair of markers:
 * ``<!-- results:begin -->`` ... ``<!-- results:end -->``: the two benchmarks
   that compare the strategies with DDP and with the no-communication bound:
   ``imbalance.json`` (``benchmarks/imbalance/``: eager_sgd, wagma_sgd,
-  ds_sync, post-local SGD; one straggler per step) and ``heterogeneity.json``
-  (``benchmarks/heterogeneity.py``: abs_sgd; persistent per-rank speeds).
+  ds_sync, post-local SGD; one straggler per step) and ``HETEROGENEITY_FILE``
+  (``benchmarks/heterogeneity.py``: abs_sgd; persistent per-rank speeds; the run
+  at today's defaults for that case: ``AdaptiveBatchSize`` in the fit, so
+  ``delay="auto"`` is 0, each synchronous round one step split by speed).
 
 Everything between a pair of markers is replaced; everything else in the file
 is left byte for byte. Only the standard library is used.
@@ -56,6 +58,8 @@ Json = dict[str, Any]
 #: (this module uses only the standard library); tests/test_benchmark_helpers.py checks them against the strategy.
 ABS_SGD_DEFAULTS: dict[str, Any] = {"final_sync": 0.05, "step_boundary": "nearest"}
 ABS_SGD_BEFORE: dict[str, Any] = {"final_sync": 0.0, "step_boundary": "at_least"}
+#: The heterogeneity run in README.md's table.
+HETEROGENEITY_FILE = "heterogeneity_adaptive_delay0_split.json"
 
 
 def load(name: str) -> Json:
@@ -154,7 +158,7 @@ def results_table(imbalance: Json, heterogeneity: Json) -> list[str]:
         f" {environment['cpus']} cores, {environment['model']}, {settings['steps']} steps of"
         f" {settings['batch_size']} per rank, one straggler per step sleeping"
         f" {settings['imbalance']['delay_ms']:.1f} ms.",
-        f"*heterogeneity* (`benchmarks/results/heterogeneity.json`): rank speeds"
+        f"*heterogeneity* (`benchmarks/results/{HETEROGENEITY_FILE}`): rank speeds"
         f" {', '.join(f'{s:g}' for s in heterogeneity['speed'])}, the `--model {heterogeneity['model']}` task,"
         f" {optimizer_label(heterogeneity)}, medians of {heterogeneity['repeats']} repeats; "
         + (f"abs_sgd reached DDP's final training loss in {reach:.2f}x DDP's time"
@@ -181,7 +185,15 @@ def abs_sgd_label(heterogeneity: Json) -> str:
         value = heterogeneity.get(key, ABS_SGD_BEFORE[key])  # absent: a run from before the option
         if value != default:
             changed.append(f"{key}={value!r}")
-    return "`abs_sgd` " + (f"(`{', '.join(changed)}`)" if changed else "(defaults)")
+    adaptive = bool(heterogeneity.get("adaptive", False))
+    # delay="auto" resolves to 0 with AdaptiveBatchSize or an Adam-like optimizer, else 1; a run from before
+    # the option (absent) had the delay.
+    auto = 0 if adaptive or heterogeneity.get("optimizer", "sgd") == "adamw" else 1
+    delay = heterogeneity.get("delay", 1)
+    if delay not in ("auto", auto):
+        changed.append(f"delay={delay}")
+    name = "`abs_sgd` + `AdaptiveBatchSize`" if adaptive else "`abs_sgd`"
+    return name + " " + (f"(`{', '.join(changed)}`)" if changed else "(defaults)")
 
 
 def optimizer_label(heterogeneity: Json) -> str:
@@ -208,7 +220,7 @@ def render(readme: str) -> str:
     readme = replace_block(readme, "main_job", main_job_table([load(name) for name in MAIN_JOB_FILES]))
     readme = replace_block(readme, "main_job_adamw", main_job_table(
         [load(name) for name in MAIN_JOB_ADAMW_FILES], files="main_job_transformer*.json"))
-    return replace_block(readme, "results", results_table(load("imbalance.json"), load("heterogeneity.json")))
+    return replace_block(readme, "results", results_table(load("imbalance.json"), load(HETEROGENEITY_FILE)))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

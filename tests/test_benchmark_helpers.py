@@ -208,3 +208,9 @@ def test_the_readme_labels_an_abs_sgd_run_by_what_differs_from_todays_defaults()
     assert ABS_SGD_DEFAULTS == {key: defaults[key].default for key in ABS_SGD_DEFAULTS}
     assert abs_sgd_label({"final_sync": 0.05, "step_boundary": "nearest"}) == "`abs_sgd` (defaults)"
     assert abs_sgd_label({}) == "`abs_sgd` (`final_sync=0.0, step_boundary='at_least'`)"
+    today = {"final_sync": 0.05, "step_boundary": "nearest"}
+    # delay="auto": 0 with AdaptiveBatchSize or AdamW, 1 otherwise; a run records the value it resolved or was given.
+    assert abs_sgd_label({**today, "adaptive": True, "delay": 0}) == "`abs_sgd` + `AdaptiveBatchSize` (defaults)"
+    assert abs_sgd_label({**today, "adaptive": True, "delay": 1}) == "`abs_sgd` + `AdaptiveBatchSize` (`delay=1`)"
+    assert abs_sgd_label({**today, "optimizer": "adamw", "delay": 0}) == "`abs_sgd` (defaults)"
+    assert abs_sgd_label({**today, "delay": 0}) == "`abs_sgd` (`delay=0`)"
