@@ -125,6 +125,27 @@ def test_mean_in_place_averages_floats_and_takes_rank0s_for_the_rest():
             assert g.dtype == e.dtype and torch.equal(g, e), (g, e)
 
 
+def test_an_end_of_fit_mean_without_a_peer_fails_naming_rank_what_and_round():
+    """The strategies' end-of-fit mean (buffers, model averaging's final parameters): a rank that never joins
+    turns into an error on the others within the group's timeout, naming the rank, what was averaged and the
+    last round, never a hang."""
+    from lightning_partial.strategies.rank_mean import allreduce_sum, mean_in_place
+
+    def fn(rank: int, store: dist.Store):
+        group = dist.ProcessGroupGloo(dist.PrefixStore("end", store), rank, P, timedelta(seconds=1))
+        if rank == P - 1:
+            import time
+
+            time.sleep(3)  # alive, never joining
+            return None
+        with pytest.raises(PartialCollectiveError, match=r"rank \d, round 17\] the mean of the end-of-fit buffers"):
+            mean_in_place([torch.ones(3)], rank=rank, world_size=P,
+                          sum_=allreduce_sum(group, rank=rank, what="the end-of-fit buffers", last_round=17))
+        return "raised"
+
+    assert run_threads(P, fn, timeout=60)[:-1] == ["raised"] * (P - 1)
+
+
 def test_a_sparse_gradient_on_one_rank_fails_every_rank_together():
     """The sparse gradient is flagged in the round's buffer, so every rank raises (none waits for a sum
     that the others abandoned), naming the option's alternative."""

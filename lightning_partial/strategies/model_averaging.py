@@ -338,7 +338,8 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         """The stop replaced the final global average. Every rank is here (the stop rode in the last step's
         round), so the parameters are averaged over the collective group instead: the replicas end identical,
         as after the final average (a stop that raises ``SIGTERMException`` ends the fit before this)."""
-        self._mean_over_ranks([p.detach() for params in self._params.values() for p in params])
+        self._mean_over_ranks([p.detach() for params in self._params.values() for p in params],
+                              "the final parameters")
 
     @override
     def _final_round(self, index: int, engine: GroupAverage) -> RoundStats:

@@ -60,7 +60,7 @@ from lightning_partial.strategies.fit_state import FitState
 from lightning_partial.strategies.options import ProcessGroupOptions
 from lightning_partial.strategies.prediction import WeightPrediction
 from lightning_partial.strategies.process_group import ProcessGroupStrategy
-from lightning_partial.strategies.rank_mean import mean_in_place
+from lightning_partial.strategies.rank_mean import allreduce_sum, mean_in_place
 
 log = logging.getLogger(__name__)
 
@@ -437,15 +437,17 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         the final round that needs no engine. Here nothing: the gradient strategies' parameters are
         identical after every round."""
 
-    def _mean_over_ranks(self, tensors: Sequence[torch.Tensor]) -> None:
+    def _mean_over_ranks(self, tensors: Sequence[torch.Tensor], what: str) -> None:
         """Every rank, main thread, collective group: each floating-point tensor replaced in place by its mean
         over the ranks, any other by rank 0's (one allreduce per dtype, bounded by the group's timeout;
-        :func:`~lightning_partial.strategies.rank_mean.mean_in_place`). Nothing on one rank."""
+        :func:`~lightning_partial.strategies.rank_mean.mean_in_place`). Nothing on one rank. A failed
+        allreduce (a peer that died, or did not come within the timeout) raises
+        :class:`PartialCollectiveError` naming this rank, ``what`` and the last round this rank saw."""
         if self.world_size < 2 or not _compat._distributed_is_initialized():
             return
-        group = self.collective_group
+        last = max((stats.round_index for stats in self.round_stats.values()), default=None)
         mean_in_place(tensors, rank=self.global_rank, world_size=self.world_size,
-                      sum_=lambda buffer: dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group))
+                      sum_=allreduce_sum(self.collective_group, rank=self.global_rank, what=what, last_round=last))
 
     def _average_buffers(self) -> None:
         """Every rank, main thread, collective group, once at the end of fit: makes the buffers identical.
@@ -459,7 +461,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         """
         if self.lightning_module is None:
             return
-        self._mean_over_ranks([b for b in self.lightning_module.buffers() if b.numel()])
+        self._mean_over_ranks([b for b in self.lightning_module.buffers() if b.numel()], "the end-of-fit buffers")
 
     def _close_engines(self) -> None:
         if self._heartbeat is not None:

@@ -4,8 +4,9 @@ Shared by the strategies' end-of-fit buffer average
 (:meth:`~lightning_partial.strategies.partial.PartialStrategy._mean_over_ranks`) and by
 ``finish="gradients"``'s parameter and optimizer-state averages
 (:class:`~lightning_partial.strategies.gradient_finish.GradientFinish`). The caller
-supplies the sum (which group, which bound, which error): this module issues no
-collective of its own, so it serves any thread and group the caller's contract names.
+supplies the sum (which group, which bound, which error), so ``mean_in_place`` serves
+any thread and group the caller's contract names; :func:`allreduce_sum` is the plain
+one (an allreduce on a group, its failure an error that names the rank and the round).
 
 * Host buffers: the strategies' collective group is gloo, also beside a NCCL default
   group, so CUDA tensors travel through host memory (a copy each way).
@@ -18,12 +19,32 @@ collective of its own, so it serves any thread and group the caller's contract n
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Callable
+from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["mean_in_place", "wire_dtype"]
+from lightning_partial.collectives.errors import PartialCollectiveError
+
+__all__ = ["allreduce_sum", "mean_in_place", "wire_dtype"]
+
+
+def allreduce_sum(group: Any, *, rank: int, what: str, last_round: Optional[int]) -> Callable[[Tensor], None]:
+    """A ``sum_`` for :func:`mean_in_place`: an allreduce on ``group`` from the caller's thread, bounded by the
+    group's timeout. A failure (a peer that died, or did not come in time) raises :class:`PartialCollectiveError`
+    naming this rank, ``what`` was being averaged and the last round the caller saw: gloo's error names neither."""
+    def sum_(buffer: Tensor) -> None:
+        try:
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+        except RuntimeError as err:
+            raise PartialCollectiveError(
+                f"the mean of {what} over the ranks failed{'' if last_round is None else ' after the last round'}:"
+                f" a peer died or did not come within the collective timeout ({type(err).__name__}: {err})",
+                rank=rank, round_index=last_round,
+            ) from err
+
+    return sum_
 
 
 def wire_dtype(dtype: torch.dtype) -> torch.dtype:
