@@ -48,7 +48,8 @@ default rule is ``"auto"``: ``"inverse"`` under momentum. ABS-SGD under the same
 ``abs_sgd_imbalanced`` (``strategy="abs_sgd"``), ``abs_sgd_delay1_imbalanced`` (``delay=1``, for
 ``--optimizer adamw``, where the default is 0), ``abs_sgd_t768_imbalanced``, ``abs_sgd_t1152_imbalanced``,
 ``abs_sgd_t1536_imbalanced`` (``target_samples``: fewer, larger rounds) and
-``abs_sgd_delay1_t768_imbalanced``; its ranks draw different numbers of batches, so its fits are bounded by
+``abs_sgd_delay1_t768_imbalanced``, and the update rule off at 768: ``abs_sgd_t768_no_prediction_imbalanced``
+(``weight_prediction=False``), ``abs_sgd_t768_rule_none_imbalanced`` (``staleness_rule="none"``); its ranks draw different numbers of batches, so its fits are bounded by
 epochs (``--steps`` x 4 x ``--batch-size`` must be whole epochs of the data: ``--steps 256``), and the
 replicas are compared at the end of fit only. ``--optimizer adamw``
 trains every configuration with AdamW (``betas=(--momentum, 0.999)``) instead of SGD.

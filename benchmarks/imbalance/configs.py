@@ -113,6 +113,12 @@ CONFIGS: dict[str, Config] = {
                (("target_samples", 1152),), default=False),
         Config("abs_sgd_delay1_t768_imbalanced", "abs_sgd", True, "ABS-SGD, delay=1, target_samples=768",
                (("delay", 1), ("target_samples", 768)), default=False),
+        # The update rule under these stragglers: weight prediction off, spike compensation off (rule "none").
+        Config("abs_sgd_t768_no_prediction_imbalanced", "abs_sgd", True,
+               "ABS-SGD, target_samples=768, weight_prediction=False",
+               (("target_samples", 768), ("weight_prediction", False)), default=False),
+        Config("abs_sgd_t768_rule_none_imbalanced", "abs_sgd", True, "ABS-SGD, target_samples=768, staleness_rule=none",
+               (("target_samples", 768), ("staleness_rule", "none")), default=False),
         Config("abs_sgd_t1536_imbalanced", "abs_sgd", True, "ABS-SGD, target_samples=1536",
                (("target_samples", 1536),), default=False),
         Config("no_comm_imbalanced", "no_comm", True, "no communication (bound)"),

@@ -35,7 +35,6 @@ from benchmarks.harness import (
     thread_environment,
 )
 from benchmarks.imbalance.configs import CONFIGS, WORLD, Config
-from benchmarks.imbalance.worker import abs_sgd_epochs
 from benchmarks.imbalance.report import (
     FIGURES,
     add_ratios,
@@ -52,6 +51,7 @@ from benchmarks.imbalance.task import (
     TRAIN_SAMPLES,
     build_mlp,
 )
+from benchmarks.imbalance.worker import abs_sgd_epochs
 
 log = logging.getLogger("benchmarks.imbalance")
 PACKAGE_DOC = sys.modules["benchmarks.imbalance"].__doc__ or ""

@@ -208,6 +208,8 @@ def abs_sgd_epochs(steps: int, batch_size: int) -> int:
     so its fit is bounded by epochs (``steps x 4 x batch_size`` samples, a whole number of epochs).
     """
     samples = steps * WORLD * batch_size
+    if samples <= 0:
+        raise ValueError(f"abs_sgd needs --steps and --batch-size >= 1, got {steps} and {batch_size}")
     if samples % TRAIN_SAMPLES:
         per_epoch = TRAIN_SAMPLES // math.gcd(TRAIN_SAMPLES, WORLD * batch_size)
         raise ValueError(

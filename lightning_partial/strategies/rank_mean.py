@@ -39,8 +39,9 @@ def allreduce_sum(group: Any, *, rank: int, what: str, last_round: Optional[int]
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
         except RuntimeError as err:
             raise PartialCollectiveError(
-                f"the mean of {what} over the ranks failed{'' if last_round is None else ' after the last round'}:"
-                f" a peer died or did not come within the collective timeout ({type(err).__name__}: {err})",
+                f"the mean of {what} over the ranks{'' if last_round is None else ' after the last round'} failed"
+                f" (a peer that died or did not come within the collective timeout, or gloo's own error):"
+                f" {type(err).__name__}: {err}",
                 rank=rank, round_index=last_round,
             ) from err
 
