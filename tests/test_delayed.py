@@ -31,24 +31,26 @@ def samples_of(rank: int, k: int) -> int:
 def train(config: DelayedConfig, *, delays_ms: tuple[float, ...], agree: dict, keep_stats: bool = False,
           hold: tuple[int, ...] = (1,) * P) -> callable:
     """Each rank deposits micro-batches until the final round, then agrees on the last round and finishes;
-    ``keep_stats``: each handed result's record carries its ``stats.busy`` too; ``hold``: rank ``i`` arrives
-    with every ``hold[i]``-th micro-batch (``arrive=False`` for the others)."""
+    ``keep_stats``: each handed result's record carries its ``stats.busy`` and ``stats.wait_time`` too; ``hold``:
+    rank ``i`` arrives with every ``hold[i]``-th micro-batch (``arrive=False`` for the others)."""
     barrier = threading.Barrier(P)
 
     def fn(rank: int, store: dist.Store) -> dict:
         engine = DelayedAllreduce(config, store=store, rank=rank, world_size=P,
                                   like=[torch.zeros(3, dtype=torch.float64)]).start()
-        deposits, handed_at = [], []
+        deposits, handed_at, durations = [], [], []
         try:
             k = 0
             while engine.final_round is None:
                 time.sleep(delays_ms[rank] / 1000)
                 g, b = grad_of(rank, k), samples_of(rank, k)
+                called = time.perf_counter()
                 results = engine.deposit([g], samples=b, arrive=(k + 1) % hold[rank] == 0)
+                durations.append(time.perf_counter() - called)
                 into = engine.deposit_round  # the round that takes this micro-batch
                 deposits.append((g, b, into, engine.started_round))
                 handed_at.append([(r.round_index, r.tensors[0].clone(), r.stats.counts)
-                                  + ((r.stats.busy,) if keep_stats else ()) for r in results])
+                                  + ((r.stats.busy, r.stats.wait_time) if keep_stats else ()) for r in results])
                 k += 1
                 if k > 2000:
                     raise AssertionError("the final round never came")
@@ -59,7 +61,7 @@ def train(config: DelayedConfig, *, delays_ms: tuple[float, ...], agree: dict, k
             last = max(agree.values())  # the strategy's MAX allreduce
             engine.drain(last)
             final = [(r.round_index, r.tensors[0].clone(), r.stats.counts) for r in engine.finish(last)]
-            return {"deposits": deposits, "handed_at": handed_at, "final": final, "last": last,
+            return {"deposits": deposits, "handed_at": handed_at, "durations": durations, "final": final, "last": last,
                     "final_round": engine.final_round, "fresh_from": engine.fresh_from, "state": engine.state_dict()}
         finally:
             engine.close()
@@ -232,6 +234,12 @@ def test_synchronous_from_the_first_round_hands_every_result_at_once_and_measure
     assert busy[0][0] == (0.0, 0.0, 0.0, 0.0)  # nothing measured before the first deposit
     for k in range(1, 12):
         assert all(busy[k][0][rank] >= delays_ms[rank] / 1000 for rank in range(P)), (k, busy[k][0])
+    # Each rank's own wait for the round (``partial/wait_ms``): inside the call that handed it, and the fast
+    # rank, which waits for the slowest every round, waits longer in all than the slowest rank does.
+    waits = [[batch[0][4] for batch in record["handed_at"]] for record in records]
+    for record, rank_waits in zip(records, waits):
+        assert all(0.0 <= w <= d for w, d in zip(rank_waits, record["durations"])), (rank_waits, record["durations"])
+    assert sum(waits[0]) > sum(waits[P - 1]), waits
 
 
 def test_a_synchronous_round_takes_every_micro_batch_a_rank_held_before_it_arrived():

@@ -69,11 +69,12 @@ or beside it on the gloo header group (see ``PartialAllreduce``).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, Optional, cast
+from typing import Any, Callable, Literal, Optional, cast
 
 import torch.distributed as dist
 
@@ -220,6 +221,9 @@ class DelayedAllreduce(PartialAllreduce):
         # When the caller's last deposit() returned (caller's thread only): the time until its next
         # deposit is the work behind that micro-batch, whatever the engine made it wait before.
         self._returned_at: Optional[float] = None
+        # Seconds the caller was blocked in deposit() and drain() since the last result it was handed
+        # (caller's thread only): the next result handed carries them as its stats' wait_time.
+        self._blocked = 0.0
         self._restored: list[RoundResult] = []  # unapplied results from a checkpoint, handed first
         # The first synchronous round (the finish): set by the communication thread once the
         # global samples reach sync_from_samples, never moved later.
@@ -338,8 +342,8 @@ class DelayedAllreduce(PartialAllreduce):
             self._control.wake(wake)  # the communication thread activates the round for everybody
         if synchronous and not held:
             # Every rank arrives at round q with this micro-batch; the round waits for the slowest.
-            self._wait_on_cond(lambda: self._synchronous_round_done(q), q,
-                               f"synchronous round {q} did not complete (is a rank dead or stalled?)")
+            self._caller_wait(lambda: self._synchronous_round_done(q), q,
+                              f"synchronous round {q} did not complete (is a rank dead or stalled?)")
             with self._cond:
                 limit = q if self._stop_round is None else min(q, self._stop_round)
             return self._take_due(limit=limit)
@@ -349,7 +353,7 @@ class DelayedAllreduce(PartialAllreduce):
             # completed), so that round q - 1's result is applied now, exactly one round
             # late. The only wait of a rank: for the previous allreduce, which overlapped
             # the micro-batches of round q.
-            self._wait_on_cond(
+            self._caller_wait(
                 lambda: self._raise_if_failed(q) or self._snapshotted >= q or self._final_round is not None
                 or self._paused or self._closing or self._known_sync(q) or self._stop_round is not None,
                 q,
@@ -404,7 +408,7 @@ class DelayedAllreduce(PartialAllreduce):
 
     def drain(self, round_index: int) -> None:
         """Blocks until round ``round_index`` has completed on this rank (bounded by the timeout)."""
-        self._wait_on_cond(
+        self._caller_wait(
             lambda: self._raise_if_failed(round_index) or self._completed >= round_index,
             round_index,
             f"round {round_index} did not complete while draining (is a rank dead or stalled?)",
@@ -521,8 +525,22 @@ class DelayedAllreduce(PartialAllreduce):
             return pending >= int(self.delayed.target_samples)  # type: ignore[arg-type]
         return time.monotonic() - self._contributed_at >= float(self.delayed.interval)  # type: ignore[arg-type]
 
+    def _caller_wait(self, done: Callable[[], bool], r: int, what: str) -> None:
+        """Caller's thread: :meth:`_wait_on_cond`, its duration added to the wait the next result handed carries."""
+        began = time.perf_counter()
+        try:
+            self._wait_on_cond(done, r, what)
+        finally:
+            self._blocked += time.perf_counter() - began
+
     def _take_due(self, *, limit: int) -> list[RoundResult]:
-        """Results not handed yet, up to round ``limit``, in order (restored ones first)."""
+        """Results not handed yet, up to round ``limit``, in order (restored ones first).
+
+        The last of them carries, as its stats' ``wait_time``, the seconds the caller was blocked in
+        :meth:`deposit` and :meth:`drain` since the previous result was handed (the wait is for the
+        round it follows, or for that round itself in a synchronous round): per rank, as ``PartialAllreduce``
+        reports its caller's time in ``arrive``.
+        """
         due, self._restored = self._restored, []
         with self._cond:
             rounds = list(range(self._handed + 1, limit + 1))
@@ -533,6 +551,11 @@ class DelayedAllreduce(PartialAllreduce):
             if rounds:
                 self._handed = rounds[-1]
         due.extend(self._take_result(r) for r in rounds)
+        if due and self._blocked:
+            last = due[-1]
+            due[-1] = dataclasses.replace(
+                last, stats=dataclasses.replace(last.stats, wait_time=last.stats.wait_time + self._blocked))
+            self._blocked = 0.0
         return due
 
     # ---------------------------------------------------- communication thread

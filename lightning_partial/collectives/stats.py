@@ -43,7 +43,10 @@ class RoundStats:
             engine does not measure it; empty for results restored from a checkpoint.
         contributions: total gradients summed in the round.
         divisor: what the sum was divided by (1 for ``normalize="sum"``).
-        wait_time: seconds this rank's caller was blocked in ``arrive``/``flush``.
+        wait_time: seconds this rank's caller was blocked in ``arrive``/``flush``;
+            under :class:`~lightning_partial.collectives.delayed.DelayedAllreduce`, in
+            ``deposit``/``drain`` since the previous result it was handed (the last
+            result a call hands carries it).
         activation_latency: seconds between this rank's communication thread
             starting to wait for the round and the round being activated,
             or ``0.0`` if it was already active.
