@@ -180,15 +180,14 @@ def _make_strategy(config: Config, args: argparse.Namespace) -> Any:
     if config.options:
         import lightning_partial
 
-        if config.strategy == "wagma_sgd":
-            return lightning_partial.WAGMAStrategy(**dict(config.options))
-        if config.strategy == "ds_sync":
-            return lightning_partial.DSSyncStrategy(**dict(config.options))
-        if config.strategy == "abs_sgd":
-            return lightning_partial.ABSSGDStrategy(**dict(config.options))
+        classes = {"wagma_sgd": lightning_partial.WAGMAStrategy, "ds_sync": lightning_partial.DSSyncStrategy,
+                   "abs_sgd": lightning_partial.ABSSGDStrategy}
+        if config.strategy in classes:
+            return classes[config.strategy](**dict(config.options))
         mode = "majority" if config.strategy == "eager_sgd_majority" else "solo"
         return lightning_partial.EagerSGDStrategy(**{"mode": mode, **dict(config.options)})
-    if config.strategy in ("ddp", "eager_sgd", "eager_sgd_majority", "eager_sgd_backup", "wagma_sgd", "ds_sync", "abs_sgd"):
+    if config.strategy in ("ddp", "eager_sgd", "eager_sgd_majority", "eager_sgd_backup", "wagma_sgd", "ds_sync",
+                           "abs_sgd"):
         return config.strategy  # registry names, as a user would write them (gloo on CPU)
     from benchmarks.baselines import NoCommStrategy, PostLocalSGDStrategy
 
