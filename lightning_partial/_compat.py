@@ -232,3 +232,24 @@ def save_step_checkpoint(callback: Any, trainer: Any) -> None:
     candidates = callback._monitor_candidates(trainer)
     callback._save_topk_checkpoint(trainer, candidates)
     callback._save_last_checkpoint(trainer, candidates)
+
+
+def skippable_closure(closure: Any) -> bool:
+    """Whether ``closure`` is Lightning's automatic-optimization closure, which :func:`skip_closure` can mark.
+
+    A ``LightningModule.optimizer_step`` override may hand the strategy a wrapper instead: then the step
+    must run the closure (Lightning reads the closure's result after the step).
+    """
+    from lightning.pytorch.loops.optimization.automatic import Closure
+
+    return isinstance(closure, Closure)
+
+
+def skip_closure(closure: Any) -> None:
+    """Marks Lightning's closure as run with no output, without running it (no ``training_step``, no backward).
+
+    The loop then treats the batch as one whose ``training_step`` returned ``None``.
+    """
+    from lightning.pytorch.loops.optimization.automatic import ClosureResult
+
+    closure._result = ClosureResult(closure_loss=None)

@@ -3,7 +3,9 @@
 Every rank measures its training interval, from its first
 ``on_train_batch_start`` to ``on_fit_end`` (after the strategy's end of fit:
 eager-SGD's final flush, the final model average), so Lightning's start-up is
-excluded, and counts its micro-batches and samples. After the fit, rank 0
+excluded, and counts its micro-batches and the samples it trained (a batch that
+``eager_sgd``'s ``catch_up`` skipped counts as a batch, not as samples:
+``skipped_batches``). After the fit, rank 0
 evaluates its model (identical on every rank after the strategies' final
 round) on the whole validation set, logs ``final/val_acc`` and
 ``final/val_loss`` to the loggers, and every rank writes
@@ -54,6 +56,8 @@ class FitSummary(L.Callback):
         self.t_end: Optional[float] = None
         self.batches = 0
         self.samples = 0
+        self.skipped_batches = 0
+        self._skipped_before = 0
         self.losses: list[tuple[float, float]] = []  # (seconds since the first batch, training loss)
         self.result: dict[str, Any] = {}
 
@@ -61,10 +65,14 @@ class FitSummary(L.Callback):
                              batch_idx: int) -> None:
         if self.t_start is None:
             self.t_start = time.perf_counter()
+        self._skipped_before = getattr(trainer.strategy, "skipped_steps", 0)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.batches += 1
+        if getattr(trainer.strategy, "skipped_steps", 0) != self._skipped_before:
+            self.skipped_batches += 1  # catch_up: the batch was not computed, its samples not trained
+            return
         self.samples += int(extract_batch_size(batch))
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor) and self.t_start is not None:
@@ -83,6 +91,7 @@ class FitSummary(L.Callback):
             "epochs": trainer.current_epoch,
             "batches": self.batches,
             "samples": self.samples,
+            "skipped_batches": self.skipped_batches,
             "wall_s": wall,
             "samples_per_s": self.samples / wall if wall > 0 else 0.0,
             "batches_per_s": self.batches / wall if wall > 0 else 0.0,

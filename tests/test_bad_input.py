@@ -55,6 +55,13 @@ CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("eager_sgd overlap not a bool", lambda: EagerSGDStrategy(overlap=1), r"eager_sgd: overlap must be a bool"),
     ("eager_sgd overlap in sync mode", lambda: EagerSGDStrategy(mode="sync", overlap=True),
      r"overlap=True is not available with mode='sync'"),
+    ("eager_sgd catch_up not a bool", lambda: EagerSGDStrategy(catch_up="yes"), r"eager_sgd: catch_up must be a bool"),
+    ("eager_sgd catch_up with overlap", lambda: EagerSGDStrategy(catch_up=True, overlap=True),
+     r"catch_up=True .*\(not overlap=True\)"),
+    ("eager_sgd catch_up in sync mode", lambda: EagerSGDStrategy(catch_up=True, mode="sync"),
+     r"catch_up=True .*not mode='sync'"),
+    ("LoadImbalance straggle_at unknown", lambda: LoadImbalance(delay_ms=1.0, straggle_at="forward"),
+     r"LoadImbalance: straggle_at must be one of 'batch_start', 'backward', got 'forward'"),
     ("eager_sgd sync_every 0", lambda: EagerSGDStrategy(sync_every=0), r"sync_every"),
     ("eager_sgd bool sync_every", lambda: EagerSGDStrategy(sync_every=True), r"sync_every"),
     ("eager_sgd final_sync 1", lambda: EagerSGDStrategy(final_sync=1.0), r"eager_sgd: final_sync must be .*\[0, 1\)"),
@@ -251,6 +258,9 @@ SETUP_CASES: list[tuple[str, SetupBuild, str]] = [
      r"val_check_interval"),
     ("abs_sgd with gradient accumulation", lambda src, tmp: (ABSSGDStrategy(), {"accumulate_grad_batches": 2}),
      r"accumulate_grad_batches.*must be 1"),
+    ("eager_sgd catch_up with gradient accumulation", lambda src, tmp: (
+        EagerSGDStrategy(catch_up=True), {"accumulate_grad_batches": 2}),
+     r"eager_sgd: catch_up=True skips whole batches.*accumulate_grad_batches=2\) must be 1"),
     # a checkpoint written by a strategy of another family (its pending state would be lost)
     ("eager_sgd checkpoint under wagma_sgd", lambda src, tmp: (WAGMAStrategy(), {"ckpt_path": src}),
      r"written by strategy 'eager_sgd' \(engine family 'gradients'.*'wagma_sgd'.*eager_sgd, eager_sgd_majority"

@@ -89,6 +89,22 @@ def test_the_imbalance_workers_get_every_option_the_parent_has(tmp_path):
             assert getattr(worker, key) == value, key
 
 
+def test_the_imbalance_benchmark_runs_catch_up_fits_by_samples_at_a_constant_rate(tmp_path):
+    from benchmarks.imbalance import runner
+    from benchmarks.imbalance.configs import CONFIGS
+    from benchmarks.imbalance.worker import catches_up
+
+    assert catches_up(CONFIGS["eager_sgd_catch_up_s3_imbalanced"])
+    assert not catches_up(CONFIGS["eager_sgd_imbalanced"]) and not catches_up(CONFIGS["abs_sgd_imbalanced"])
+    # Their rounds per sample are not known in advance: a schedule over --steps would not fit them.
+    with pytest.raises(SystemExit, match="need --schedule constant"):
+        runner.run_parent(runner.parse_args(["--only", "eager_sgd_catch_up_s3_imbalanced", "--workdir", str(tmp_path)]))
+    # Every configuration's worker gets the straggler's timing.
+    args = runner.parse_args(["--straggle-at", "backward", "--workdir", str(tmp_path)])
+    command = runner.worker_command("ddp_imbalanced", "t", args, 10.0)
+    assert command[command.index("--straggle-at") + 1] == "backward"
+
+
 def test_the_imbalance_benchmark_gives_abs_sgd_the_others_samples_in_whole_epochs(tmp_path):
     from benchmarks.imbalance import runner
     from benchmarks.imbalance.worker import abs_sgd_epochs

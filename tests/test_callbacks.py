@@ -9,6 +9,7 @@ Everything asserted is a property of what was recorded, never a duration.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import logging
 import os
@@ -231,6 +232,35 @@ def test_load_imbalance_records_delay_and_slowdown_and_logs_them(tmp_path: Path)
     full = LoadImbalance(speed=[1.0], log=False)
     tiny_fit(tmp_path / "full", [full], steps=3)
     assert [r.total_ms for r in full.records] == [0.0, 0.0, 0.0]  # full speed, no stragglers: nothing injected
+
+
+class SkipsOddBatches(Tiny):
+    """Returns ``None`` on odd batches: no backward there, as a batch whose compute a strategy skipped."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Optional[torch.Tensor]:
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx % 2 else loss
+
+
+def test_straggle_at_backward_sleeps_once_per_computed_batch(tmp_path: Path, monkeypatch) -> None:
+    """straggle_at="backward": the drawn rank sleeps at the batch's first backward, once (two backwards under
+    manual optimization), and not at all on a batch without a backward."""
+    slept: list[float] = []
+    monkeypatch.setattr(LoadImbalance, "_sleep_ms", staticmethod(lambda ms: slept.append(ms) or ms if ms > 0 else 0.0))
+    manual = LoadImbalance(delay_ms=1.0, log=False, straggle_at="backward")
+    tiny_fit(tmp_path / "manual", [manual], steps=4, manual=True)  # P=1: rank 0 is drawn on every batch
+    batches = len(manual.records)
+    assert batches >= 2 and [r.delay_ms for r in manual.records] == [1.0] * batches and slept == [1.0] * batches
+
+    slept.clear()
+    skipping = LoadImbalance(delay_ms=1.0, log=False, straggle_at="backward")
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, callbacks=[skipping], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+    trainer.fit(SkipsOddBatches(), DataLoader(data, batch_size=8))
+    assert [r.delay_ms for r in skipping.records] == [1.0, 0.0] * 3  # a batch without a backward does not straggle
+    assert slept == [1.0] * 3
 
 
 def test_the_batch_counter_survives_a_checkpoint_resume(tmp_path: Path) -> None:
@@ -488,3 +518,18 @@ def test_wandb_run_is_offline_and_holds_the_partial_metrics(fit4: Path) -> None:
         assert 1 <= h["partial/fresh"] <= 4 and h["partial/staleness_max"] >= 0
     run = next(r.run for r in records if r.HasField("run"))
     assert run.project == "lightning_partial" and run.display_name == "fit"
+
+
+def test_a_skipped_batch_is_logged_and_counted() -> None:
+    """catch_up: the round of a batch this rank skipped logs partial/skipped = 1 and is counted in the summary."""
+    from lightning_partial.callbacks.staleness import StalenessSummary, round_metrics
+
+    stats = RoundStats(round_index=3, activator=1, initiator=None, synchronous=False, flush=False, fresh=(1,),
+                       counts=(0, 1), staleness=(None, 0), oldest_staleness=(None, 0), progress=(4, 4), dropped=(0, 0),
+                       contributions=1, divisor=2.0, skipped=True)
+    assert round_metrics(stats)["skipped"] == 1.0
+    assert round_metrics(dataclasses.replace(stats, skipped=False))["skipped"] == 0.0
+    summary = StalenessSummary()
+    summary.add(stats)
+    summary.add(dataclasses.replace(stats, round_index=4, skipped=False))
+    assert summary.skipped == 1 and summary.as_dict()["skipped"] == 1

@@ -154,6 +154,22 @@ def test_overlap_applies_every_gradient_exactly_once(tmp_path):
     assert all(r["global_step"] == 12 for r in records)
 
 
+def test_catch_up_skips_batches_and_applies_every_computed_gradient_exactly_once(tmp_path):
+    """catch_up=True with a slow rank and no bound: the slow rank skips the batches whose rounds ran without it
+    (no training_step, no backward) and applies their results; the formula over what was computed holds bit for
+    bit, every rank takes the same optimizer steps, and the replicas end identical."""
+    records = run(tmp_path, "--strategy", "eager_sgd", "--steps", "24", "--slow-ms", "60",
+                  "--strategy-kw", json.dumps({"catch_up": True, "max_staleness": None}))
+    assert_identical_replicas(records)
+    want = expected(records[0]["w0"]["w"], computed(records), lr=records[0]["lr"], world=4)
+    assert records[0]["final"]["w"] == want
+    assert all(r["global_step"] == 24 for r in records)
+    slow = records[3]
+    assert slow["skipped_steps"] > 0, "the slow rank never skipped: the test proves nothing"
+    for r in records:
+        assert len(r["seen"]) + r["skipped_steps"] == 24, r["rank"]  # a batch is computed or skipped, never both
+
+
 def test_overlap_resume_applies_the_round_in_flight_at_the_save(tmp_path):
     """The checkpoint takes the round in flight (every rank, before the gather): its result is in the file,
     and the resumed fit's first step applies it; nothing is lost or applied twice."""

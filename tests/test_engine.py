@@ -867,3 +867,72 @@ def test_header_has_its_own_allreduce_in_sync_mode():
             engine.close()
 
     assert run_threads(P, fn) == [True] * P
+
+
+@pytest.mark.parametrize("s", [None, 2])
+def test_skip_catches_up_and_conserves_what_was_sent(s):
+    """A persistently slow rank that skips every step whose round ran without it (``behind``) stays within a round
+    or two of the others instead of falling further behind; every result is identical on every rank, the
+    applied sum equals exactly what was sent (a skip sends nothing), and ``stats.skipped`` marks the skips."""
+    steps = 60
+    skipped_steps: dict[int, list[int]] = {}
+    lag: list[int] = []
+    entered = [0] * P
+    lock = threading.Lock()
+
+    def fn(rank, store):
+        engine = PartialAllreduce(config(mode="solo", normalize="sum", max_staleness=s), store=store, rank=rank,
+                                  world_size=P, like=torch.zeros(5, dtype=torch.float64))
+        engine.start()
+        sent, results, skipped = [], [], []
+        try:
+            for step in range(steps):
+                with lock:
+                    entered[rank] = step
+                    if rank == 3:
+                        lag.append(max(entered) - step)
+                if engine.behind:
+                    skipped.append(step)
+                    results.append(engine.skip())
+                    continue
+                if rank == 3:
+                    time.sleep(0.06)  # many times the others' step: it cannot keep up by computing
+                else:
+                    time.sleep(0.004)
+                g = integer_grad(rank, step)
+                sent.append(g.clone())
+                results.append(engine.arrive(g))
+            results.append(engine.flush())
+        finally:
+            engine.close()
+        skipped_steps[rank] = skipped
+        return sent, results
+
+    per_rank = run_threads(P, fn)
+    assert_identical([results for _, results in per_rank])
+    results = per_rank[0][1]
+    assert torch.equal(sum(r.tensors[0] for r in results), sum(g for sent, _ in per_rank for g in sent))
+    assert sum(r.stats.contributions for r in results) == sum(len(sent) for sent, _ in per_rank)
+    assert len(skipped_steps[3]) >= steps // 3, skipped_steps  # the slow rank skipped, and so kept up
+    # Within what the others run during one of its steps; computing every step, it would end most of the fit behind.
+    assert max(lag) < steps // 4, lag
+    for rank, (_, rank_results) in enumerate(per_rank):
+        assert [r.round_index for r in rank_results if r.stats.skipped] == skipped_steps[rank]
+        for q in skipped_steps[rank]:
+            assert rank not in rank_results[q].stats.fresh
+
+
+def test_skip_is_refused_where_a_round_waits_for_every_gradient():
+    def fn(rank, store):
+        engine = PartialAllreduce(config(mode="sync"), store=store, rank=rank, world_size=P,
+                                  like=torch.zeros(5, dtype=torch.float64))
+        engine.start()
+        try:
+            with pytest.raises(ValueError, match=r"skip\(\) at step 0, whose round is synchronous"):
+                engine.skip()
+            engine.arrive(torch.ones(5, dtype=torch.float64))
+            engine.flush()
+        finally:
+            engine.close()
+
+    run_threads(P, fn)

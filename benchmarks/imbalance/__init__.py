@@ -51,7 +51,13 @@ default rule is ``"auto"``: ``"inverse"`` under momentum. ABS-SGD under the same
 ``abs_sgd_delay1_t768_imbalanced``, and the update rule off at 768: ``abs_sgd_t768_no_prediction_imbalanced``
 (``weight_prediction=False``), ``abs_sgd_t768_rule_none_imbalanced`` (``staleness_rule="none"``); its ranks draw different numbers of batches, so its fits are bounded by
 epochs (``--steps`` x 4 x ``--batch-size`` must be whole epochs of the data: ``--steps 256``), and the
-replicas are compared at the end of fit only. ``--optimizer adamw``
+replicas are compared at the end of fit only. Catching up (``catch_up=True``,
+``docs/staleness.md#catching-up``): ``eager_sgd_catch_up_imbalanced`` (the default bound),
+``eager_sgd_catch_up_{s2,s3,s4,unbounded}_imbalanced`` and the reference
+``eager_sgd_final_sync0_imbalanced``; their ranks skip batches, so their fits run until the rounds
+have summed the batches the others train in ``--steps`` (at most 3 x ``--steps`` rounds), without
+a synchronous finish, and need ``--schedule constant``; run them with ``--straggle-at backward``
+(every configuration then sleeps as part of a batch's compute). ``--optimizer adamw``
 trains every configuration with AdamW (``betas=(--momentum, 0.999)``) instead of SGD.
 
 **Task.** 10-class classification of ``x ~ N(0, I_32)`` labelled by a fixed

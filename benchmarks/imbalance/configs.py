@@ -90,6 +90,18 @@ CONFIGS: dict[str, Config] = {
                (("overlap", True),), default=False),
         Config("eager_sgd_backup_overlap_imbalanced", "eager_sgd", True, "eager-SGD, 1 backup worker, overlap=True",
                (("mode", "quorum"), ("backup_workers", 1), ("overlap", True)), default=False),
+        # Catching up: a rank whose next round ran without it skips that batch (no compute) instead of computing a
+        # gradient that would be late, so a straggler's lag stays within one straggle; with a bound above the
+        # straggle (D = 2 steps) the fast ranks no longer wait. Fewer samples per round: these fits run until they
+        # have trained the samples the others train in --steps (max_steps then bounds rounds at 3 x --steps), so
+        # a synchronous finish placed against max_steps would never come: final_sync=0 (and its reference).
+        _study("eager_sgd_final_sync0_imbalanced", ("final_sync", 0.0)),
+        _study("eager_sgd_catch_up_imbalanced", ("catch_up", True), ("final_sync", 0.0)),
+        _study("eager_sgd_catch_up_s2_imbalanced", ("catch_up", True), ("max_staleness", 2), ("final_sync", 0.0)),
+        _study("eager_sgd_catch_up_s3_imbalanced", ("catch_up", True), ("max_staleness", 3), ("final_sync", 0.0)),
+        _study("eager_sgd_catch_up_s4_imbalanced", ("catch_up", True), ("max_staleness", 4), ("final_sync", 0.0)),
+        _study("eager_sgd_catch_up_unbounded_imbalanced", ("catch_up", True), ("max_staleness", None),
+               ("final_sync", 0.0)),
         Config("wagma_sgd_imbalanced", "wagma_sgd", True, "WAGMA-SGD (S=2, tau=10)"),
         Config("ds_sync_imbalanced", "ds_sync", True, "DS-Sync (G=2, max_staleness=1)"),
         # DS-Sync's default bound is 1 round; a bound of 4 for the throughput it gives up.

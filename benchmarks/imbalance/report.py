@@ -117,7 +117,7 @@ def summarise_run(config: Config, ranks: list[dict], args: argparse.Namespace) -
         "strategy_class": r0["strategy_class"],
         "torch_threads_per_rank": [r["torch_threads"] for r in ranks],
         # Rank 0's loss against its own elapsed training time, for the plot.
-        "curve_rank0": {"t_s": r0["step_ends_s"], "loss": r0["losses"]},
+        "curve_rank0": {"t_s": r0.get("loss_ends_s", r0["step_ends_s"]), "loss": r0["losses"]},
     }
 
 

@@ -51,7 +51,7 @@ from benchmarks.imbalance.task import (
     TRAIN_SAMPLES,
     build_mlp,
 )
-from benchmarks.imbalance.worker import abs_sgd_epochs
+from benchmarks.imbalance.worker import abs_sgd_epochs, catches_up
 
 log = logging.getLogger("benchmarks.imbalance")
 PACKAGE_DOC = sys.modules["benchmarks.imbalance"].__doc__ or ""
@@ -135,7 +135,7 @@ def worker_command(name: str, tag: str, args: argparse.Namespace, delay_ms: floa
         "--schedule", args.schedule, "--optimizer", args.optimizer,
         "--localsgd-warmup", str(args.localsgd_warmup), "--averaging-period", str(args.averaging_period),
         "--digest-steps", str(args.digest_steps), "--threads", str(args.threads),
-        "--device-ms-per-sample", repr(args.device_ms_per_sample),
+        "--device-ms-per-sample", repr(args.device_ms_per_sample), "--straggle-at", args.straggle_at,
     )
 
 
@@ -175,6 +175,10 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             abs_sgd_epochs(args.steps, args.batch_size)
         except ValueError as err:
             raise SystemExit(str(err)) from None
+    if any(catches_up(CONFIGS[n]) for n in selected):
+        if args.schedule != "constant":
+            raise SystemExit("the catch_up configurations run until they have trained the others' samples, in a "
+                             "number of rounds not known in advance: they need --schedule constant")
     model_parameters = sum(p.numel() for p in build_mlp(args.width, args.depth).parameters())
     env = environment(args, model_parameters)
     log.info("load average before the run: %s (the figures assume an otherwise idle machine)", env["load_average_at_start"])
@@ -254,6 +258,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             },
             "imbalance": {"stragglers_per_step": 1, "delay_ms": delay_ms, "seed": args.seed},
             "device_ms_per_sample": args.device_ms_per_sample,
+            "straggle_at": args.straggle_at,
         },
         "calibration": calibration,
         "notes": [
@@ -313,6 +318,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--schedule", choices=("cosine", "constant"), default="cosine",
         help="learning rate over the fit: cosine decay to 0 per step (default) or constant",
+    )
+    parser.add_argument(
+        "--straggle-at", choices=("batch_start", "backward"), default="batch_start",
+        help="when the drawn straggler sleeps (LoadImbalance's straggle_at): before the forward pass (default, the "
+             "paper's) or before the backward, as part of the batch's compute (a batch that eager_sgd's catch_up "
+             "skips then does not straggle); every configuration alike",
     )
     parser.add_argument("--localsgd-warmup", type=int, default=8, help="post-local SGD: steps of plain DDP first")
     parser.add_argument("--averaging-period", type=int, default=4, help="post-local SGD: steps between averages")

@@ -137,6 +137,7 @@ def _lightning_parts() -> tuple[type, type]:
             self.ticks_start: tuple[int, int] | None = None
             self.ticks_end: tuple[int, int] | None = None
             self.step_ends: list[float] = []
+            self.computed: list[bool] = []
             self.collectives_at_batch_end: list[int] = []  # cumulative default-group calls (CollectiveCounter)
             self.digests: list[float] = []
 
@@ -152,6 +153,7 @@ def _lightning_parts() -> tuple[type, type]:
         ) -> None:
             # After the optimizer step (and post-local SGD's averaging) of this batch.
             self.step_ends.append(time.perf_counter())
+            self.computed.append(bool(outputs))  # False: a batch eager_sgd's catch_up skipped (no training_step)
             self.collectives_at_batch_end.append(sum(self.counter.calls.values()))
             stats = getattr(trainer.strategy, "round_stats", {}).get(0)
             if stats is not None:
@@ -198,6 +200,37 @@ def _make_strategy(config: Config, args: argparse.Namespace) -> Any:
     if config.strategy == "no_comm":
         return NoCommStrategy()
     raise ValueError(f"unknown strategy {config.strategy!r}")
+
+
+def catches_up(config: Config) -> bool:
+    """Whether ``config`` skips batches (eager_sgd's ``catch_up``): its rounds train fewer samples than batches."""
+    return dict(config.options).get("catch_up", False) is True
+
+
+def _stop_after_samples(batches: int) -> Any:
+    """A callback that stops the fit once the rounds have summed ``batches`` micro-batches over all ranks.
+
+    Every rank reads the same round header, so every rank stops after the same round. What is still carried
+    lands in the final flush (a few batches more).
+    """
+    import lightning as L
+
+    class StopAfterSamples(L.Callback):
+        def __init__(self) -> None:
+            self.summed = 0
+            self.round = -1
+
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
+            stats = trainer.strategy.round_stats.get(0)
+            if stats is None or stats.round_index == self.round:
+                return
+            self.round = stats.round_index
+            self.summed += stats.contributions
+            if self.summed >= batches:
+                trainer.should_stop = True
+
+    return StopAfterSamples()
 
 
 def abs_sgd_epochs(steps: int, batch_size: int) -> int:
@@ -251,8 +284,17 @@ def run_worker(args: argparse.Namespace) -> int:
     imbalance = None
     if config.imbalanced:
         # log=False: a per-step self.log costs every imbalanced configuration alike and nothing reads it here.
-        imbalance = LoadImbalance(delay_ms=args.delay_ms, stragglers=1, seed=args.seed, log=False)
+        imbalance = LoadImbalance(delay_ms=args.delay_ms, stragglers=1, seed=args.seed, log=False,
+                                  straggle_at=args.straggle_at)
         callbacks.append(imbalance)
+    if catches_up(config):
+        callbacks.append(_stop_after_samples(args.steps * WORLD))
+    if config.strategy == "abs_sgd":
+        bounds: dict[str, int] = {"max_epochs": abs_sgd_epochs(args.steps, args.batch_size), "max_steps": -1}
+    elif catches_up(config):
+        bounds = {"max_steps": 3 * args.steps}  # the samples decide (above); this only bounds a runaway fit
+    else:
+        bounds = {"max_steps": args.steps}
     trainer = L.Trainer(
         strategy=_make_strategy(config, args),
         accelerator="cpu",
@@ -260,8 +302,7 @@ def run_worker(args: argparse.Namespace) -> int:
         # Explicit: a SLURM or torchelastic environment around the benchmark must not
         # change how the 4 local ranks are started.
         plugins=[LightningEnvironment()],
-        **({"max_epochs": abs_sgd_epochs(args.steps, args.batch_size), "max_steps": -1}
-           if config.strategy == "abs_sgd" else {"max_steps": args.steps}),
+        **bounds,
         callbacks=callbacks,
         **BARE_TRAINER,
     )
@@ -287,6 +328,8 @@ def run_worker(args: argparse.Namespace) -> int:
         "t_end": recorder.t_end,
         "step_ends_s": [round(t - recorder.t_start, 5) for t in recorder.step_ends],
         "losses": [round(x, 5) for x in model.losses],
+        # The batch ends of the computed batches (one per loss): all of them unless catch_up skipped some.
+        "loss_ends_s": [round(t - recorder.t_start, 5) for t, c in zip(recorder.step_ends, recorder.computed) if c],
         "digests": recorder.digests,
         "final_digest": parameter_digest(list(model.parameters())),
         "delayed_steps": sum(1 for r in imbalance.records if r.delay_ms > 0) if imbalance is not None else 0,
@@ -303,6 +346,7 @@ def run_worker(args: argparse.Namespace) -> int:
         "rounds": recorder.rounds,
         # Optimizer steps and the last round seen (ABS-SGD: rounds and steps are not batches).
         "optimizer_steps": trainer.global_step,
+        "skipped_steps": getattr(trainer.strategy, "skipped_steps", 0),
         "last_round": getattr(getattr(trainer.strategy, "round_stats", {}).get(0), "round_index", None),
     }
     path = args.workdir / f"{args.tag}.rank{rank}.json"

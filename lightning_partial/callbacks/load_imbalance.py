@@ -4,7 +4,11 @@ Contract:
 
 * **Stragglers** (``delay_ms > 0``, the protocol of the eager-SGD paper): at
   every training batch, in ``on_train_batch_start`` (before the forward pass),
-  ``stragglers`` ranks sleep ``delay_ms``. Which ranks is a pure function of
+  ``stragglers`` ranks sleep ``delay_ms``. With ``straggle_at="backward"`` the
+  sleep comes in ``on_before_backward`` instead (the batch's first backward):
+  it is part of the batch's compute, so a batch whose compute a strategy skips
+  (eager-SGD's ``catch_up``) does not straggle; every strategy still meets the
+  sleep before its step's synchronisation. Which ranks is a pure function of
   ``(seed, counter)`` (:func:`draw_stragglers`), where ``counter`` is
   ``trainer.fit_loop.total_batch_idx``: the index of the batch across epochs,
   identical on every rank and restored by a checkpoint resume. Every rank
@@ -87,6 +91,10 @@ class ImbalanceRecord:
         return self.delay_ms + self.slowdown_ms
 
 
+#: When a drawn straggler sleeps (``LoadImbalance(straggle_at=...)``).
+STRAGGLE_AT: tuple[str, ...] = ("batch_start", "backward")
+
+
 class LoadImbalance(Callback):
     """Injects reproducible stragglers and/or persistent per-rank slowdowns into training.
 
@@ -101,6 +109,10 @@ class LoadImbalance(Callback):
         log: log ``imbalance/delay_ms`` per step through ``pl_module.log``.
         history: how many per-batch :class:`ImbalanceRecord` to keep in
             :attr:`records` (the oldest are dropped; totals count everything).
+        straggle_at: when a drawn rank sleeps: ``"batch_start"`` (default, the
+            paper's: before the forward pass, whatever the step does) or
+            ``"backward"`` (before the batch's first backward: only batches that
+            are computed straggle).
 
     Attributes:
         records: the latest ``history`` batches' records, oldest first.
@@ -125,8 +137,14 @@ class LoadImbalance(Callback):
         seed: int = 0,
         log: bool = True,
         history: int = 100_000,
+        straggle_at: str = "batch_start",
     ) -> None:
         super().__init__()
+        if straggle_at not in STRAGGLE_AT:
+            raise ValueError(
+                f"LoadImbalance: straggle_at must be one of {', '.join(map(repr, STRAGGLE_AT))}, got {straggle_at!r}"
+            )
+        self.straggle_at = straggle_at
         if not is_finite_number(delay_ms):
             raise ValueError(f"LoadImbalance: delay_ms must be a finite number of milliseconds, got {delay_ms!r}")
         if delay_ms < 0:
@@ -169,6 +187,7 @@ class LoadImbalance(Callback):
         self._drawn: tuple[int, ...] = ()
         self._batch_delay_ms = 0.0
         self._batch_slowdown_ms = 0.0
+        self._straggle_pending = False  # drawn on this batch, sleeping at its first backward (straggle_at)
 
     def stragglers_for(self, counter: int, world_size: int) -> list[int]:
         """The ranks this callback delays at batch ``counter`` in a ``world_size``-rank fit (sorted).
@@ -210,11 +229,23 @@ class LoadImbalance(Callback):
         self._drawn = tuple(self.stragglers_for(self._counter, trainer.world_size))
         self._batch_delay_ms = 0.0
         self._batch_slowdown_ms = 0.0
-        if trainer.global_rank in self._drawn:
+        self._straggle_pending = trainer.global_rank in self._drawn
+        if self._straggle_pending and self.straggle_at == "batch_start":
+            self._straggle_pending = False
             self._batch_delay_ms = self._sleep_ms(self.delay_ms)
         if self._factor < 1.0:
             # Starts after the straggler sleep: only compute is scaled.
             self._mark = self._now(pl_module)
+
+    @override
+    def on_before_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", loss: Any) -> None:
+        if not self._straggle_pending:
+            return
+        self._straggle_pending = False  # once per batch, at its first backward
+        started = self._now(pl_module) if self._mark is not None else None
+        self._batch_delay_ms = self._sleep_ms(self.delay_ms)
+        if started is not None and self._mark is not None:
+            self._mark += self._now(pl_module) - started  # the sleep is not compute: `speed` does not scale it
 
     @override
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

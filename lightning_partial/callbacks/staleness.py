@@ -11,14 +11,15 @@ Contract:
   ``partial/fresh``, ``partial/staleness_mean``, ``partial/staleness_max``,
   ``partial/wait_ms``, ``partial/activator``, ``partial/contributions``,
   ``partial/discounted`` (the gradients' worth the staleness rule withheld
-  from the round, over all ranks), ``partial/round``; under ``abs_sgd`` also
+  from the round, over all ranks), ``partial/round``, ``partial/skipped`` (1
+  where this rank skipped the batch's compute: eager-SGD's ``catch_up``); under ``abs_sgd`` also
   ``partial/step_lag``: how many optimizer steps late the latest step applied
   this rank's micro-batches (0: on the weights they were computed on; its own
   figure on each rank, a slow rank's the largest; see
   :mod:`~lightning_partial.strategies.step_lag`); with suffix ``_<i>`` for optimizer index ``i > 0``.
   Through ``pl_module.log(on_step=True, on_epoch=False, sync_dist=False)``,
   so any Lightning logger (CSV, TensorBoard, W&B) receives them (loggers
-  write rank 0's view; only ``wait_ms`` and ``step_lag`` differ between ranks); no collective.
+  write rank 0's view; only ``wait_ms``, ``skipped`` and ``step_lag`` differ between ranks); no collective.
   Note that Lightning hands loggers the latest value of every step metric at
   each logged step: under manual optimization, an optimizer that did not step
   on a batch shows its previous round again (``partial/round_<i>`` tells).
@@ -50,7 +51,8 @@ from lightning_partial.collectives import RoundStats
 
 log = logging.getLogger(__name__)
 
-METRICS = ("fresh", "staleness_mean", "staleness_max", "wait_ms", "activator", "contributions", "discounted", "round")
+METRICS = ("fresh", "staleness_mean", "staleness_max", "wait_ms", "activator", "contributions", "discounted", "round",
+           "skipped")
 
 
 def round_metrics(stats: RoundStats) -> dict[str, float]:
@@ -64,6 +66,7 @@ def round_metrics(stats: RoundStats) -> dict[str, float]:
         "contributions": float(stats.contributions),
         "discounted": stats.discounted_total,
         "round": float(stats.round_index),
+        "skipped": float(stats.skipped),
     }
 
 
@@ -86,6 +89,7 @@ class StalenessSummary:
         wait_ms_total: this rank's time blocked in the engine, in milliseconds.
         activators: rounds activated per rank (``-1``: synchronous rounds).
         last_round: the latest round index seen (``-1``: none yet).
+        skipped: rounds whose batch this rank skipped (eager-SGD's ``catch_up``).
     """
 
     rounds: int = 0
@@ -98,6 +102,7 @@ class StalenessSummary:
     wait_ms_total: float = 0.0
     activators: Counter[int] = field(default_factory=Counter)
     last_round: int = -1
+    skipped: int = 0
 
     def add(self, stats: RoundStats) -> None:
         """Counts one round."""
@@ -109,6 +114,7 @@ class StalenessSummary:
         self.staleness_max = max(self.staleness_max, stats.max_staleness)
         self.staleness_mean_total += stats.mean_staleness
         self.wait_ms_total += stats.wait_time * 1e3
+        self.skipped += int(stats.skipped)
         self.activators[stats.activator] += 1
         self.last_round = stats.round_index
 
@@ -140,6 +146,7 @@ class StalenessSummary:
             "staleness_mean": self.staleness_mean,
             "wait_ms_total": self.wait_ms_total,
             "wait_ms_mean": self.wait_ms_mean,
+            "skipped": self.skipped,
             "activators": {str(k): v for k, v in sorted(self.activators.items())},
             "last_round": self.last_round,
         }

@@ -194,6 +194,8 @@ class DelayedAllreduce(PartialAllreduce):
         engine.close()
     """
 
+    _SKIPPABLE = False  # no skip(): its rounds are paced by samples, not by steps
+
     def __init__(
         self,
         config: DelayedConfig,

@@ -80,6 +80,7 @@ class _Submitted(NamedTuple):
     arrived_at: float  # monotonic() as the deposit was in
     initiator: int  # the majority initiator drawn for the round
     arrived: object  # the arrivals this rank saw in the store (int), "?" where it did not count
+    empty: bool = False  # arrived without a gradient (skip())
 
 
 class PartialAllreduce(RoundRunner):
@@ -145,6 +146,8 @@ class PartialAllreduce(RoundRunner):
     # Whether the header may ride in the data allreduce (subclasses whose data
     # collective differs between ranks must check the header first: False).
     _FUSE_HEADER = True
+    # Whether skip() applies (a round's result is a gradient sum a rank can apply without contributing).
+    _SKIPPABLE = True
 
     def __init__(
         self,
@@ -283,6 +286,39 @@ class PartialAllreduce(RoundRunner):
         """
         self._check_running("arrive")
         return self._arrive(self._as_list(tensors), flush=False)
+
+    @property
+    def behind(self) -> bool:
+        """Whether the round of the next step has been taken already (run, or running) without this rank.
+
+        A gradient this rank computes for that step now would be late on arrival. The caller's
+        thread reads it before computing a step (eager-SGD's ``catch_up``); the answer can only
+        change from ``False`` to ``True`` while it computes, never back.
+        """
+        with self._cond:
+            return self._snapshotted >= self._step
+
+    def skip(self) -> RoundResult:
+        """Arrives at this step without a gradient and returns the result of this step's round.
+
+        For a rank that is :attr:`behind`: the step's round ran without it, so it applies the
+        round's result without computing a gradient for it (and catches up with the others
+        instead of contributing a late one). The arrival is counted as any other (it opens the
+        staleness gate of a later round); what this rank still carries goes into the next round
+        that takes its send buffer, as always. The result's ``stats.skipped`` is ``True``.
+        Allowed at any step, also one whose round has not run; not in a synchronous round,
+        which waits for every rank's gradient.
+        """
+        if not self._SKIPPABLE:
+            raise NotImplementedError(f"{type(self).__name__} does not support skip()")
+        self._check_running("skip")
+        q = self._step
+        if self._known_sync(q):
+            raise ValueError(
+                f"rank {self.rank}: skip() at step {q}, whose round is synchronous (it waits for every rank's "
+                "gradient): arrive with this step's gradient"
+            )
+        return self._arrive(None, flush=False)
 
     def submit(self, tensors: Tensors) -> int:
         """Contributes this step's gradient, activates its round where the rule says so; returns the round.
@@ -577,7 +613,8 @@ class PartialAllreduce(RoundRunner):
             # After the counting above, so that the thread's last collection sees it.
             control.wake(q)
         with self._cond:
-            self._submitted[q] = _Submitted(started, arrived_at, initiator, arrived if arrived is not None else "?")
+            self._submitted[q] = _Submitted(started, arrived_at, initiator, arrived if arrived is not None else "?",
+                                            empty=tensors is None and not flush)
         return q
 
     def _collect(self, q: int, *, since_submit: bool = False) -> RoundResult:
@@ -598,6 +635,7 @@ class PartialAllreduce(RoundRunner):
             result.stats,
             wait_time=time.perf_counter() - started,
             arrived_at=info.arrived_at,
+            skipped=info.empty,
             initiator=info.initiator if self.config.mode == "majority" and not result.stats.synchronous else None,
         )
         return dataclasses.replace(result, stats=stats)

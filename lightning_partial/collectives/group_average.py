@@ -142,6 +142,8 @@ class GroupAverage(PartialAllreduce):
             (a late rank's last model is contributed to every round until it arrives).
     """
 
+    _SKIPPABLE = False  # no skip(): a round averages models, which every arrival carries
+
     # The header must be checked before the data: a rank's data collective depends on
     # its role in the round (group send/recv, or a global average on the flush).
     _FUSE_HEADER = False

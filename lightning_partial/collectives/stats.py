@@ -54,6 +54,9 @@ class RoundStats:
             thread saw the activation (a system-wide clock on one machine: the
             benchmarks compare it across ranks to measure activation latency).
         arrived_at: ``time.monotonic()`` when this rank's caller arrived.
+        skipped: this rank's caller arrived at the round's step without a gradient
+            (:meth:`~lightning_partial.collectives.PartialAllreduce.skip`: eager-SGD's
+            ``catch_up``, the step's round had run without it); this rank's own figure.
         group: group averaging (:class:`~lightning_partial.collectives.GroupAverage`)
             only: the members of this rank's group in the round (all ranks in a
             global round); ``None`` for a partial allreduce.
@@ -84,6 +87,7 @@ class RoundStats:
     activation_latency: float = 0.0
     activated_at: float = 0.0
     arrived_at: Optional[float] = None
+    skipped: bool = False
     group: Optional[tuple[int, ...]] = None
     group_id: Optional[int] = None
     averaged: Optional[tuple[int, ...]] = None

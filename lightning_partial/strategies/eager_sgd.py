@@ -24,6 +24,11 @@ Specific to eager-SGD:
   collectives ran on the communication thread while this step computed. A
   checkpoint first takes the round in flight (``InFlight.settle``), so the cut
   stays consistent, and saves its result for the next step.
+* With ``catch_up=True`` (main thread): before the closure, a rank whose engine is
+  ``behind`` (this step's round was taken without it) does not run the closure; it
+  calls ``skip()`` (an arrival without a gradient) and applies the round's result
+  through the same step, hooks and clipping. Lightning sees a ``training_step`` that
+  returned ``None``.
 * End of fit (main thread): ``flush()`` runs the final synchronous round on
   every engine; its result (carried gradients) is applied with one more
   optimizer step, so nothing computed is lost and all replicas end identical.
@@ -112,6 +117,24 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             throughput where a round's latency is exposed (many cores per rank, GPUs), at
             some accuracy under momentum (measured in ``docs/staleness.md``). See
             :mod:`~lightning_partial.strategies.overlap` and ``docs/staleness.md#overlapped-rounds``.
+        catch_up: ``False`` (default): a rank computes every batch's gradient, however far
+            behind (up to ``max_staleness``). ``True``: a rank whose next step's round has
+            already run without it (:attr:`PartialAllreduce.behind
+            <lightning_partial.collectives.PartialAllreduce.behind>`) skips that batch: no
+            ``training_step``, no backward; it applies the round's result as every rank does
+            (``PartialAllreduce.skip``) and so catches up instead of computing a gradient that
+            would arrive late. Nothing computed is lost: the skipped batch's samples are not
+            trained (counted in :attr:`skipped_steps`, ``RoundStats.skipped``,
+            ``partial/skipped``), so an epoch trains fewer samples in fewer seconds. A
+            straggler's lag then stays within one straggle instead of accumulating, and a
+            bound above the straggle (``max_staleness=3`` for a delay of two steps) no longer
+            makes the fast ranks wait (``docs/staleness.md#catching-up``). Needs automatic
+            optimization with ``accumulate_grad_batches=1``; not with ``overlap`` or
+            ``mode="sync"``. Steps whose round is synchronous (``final_sync``, ``sync_every``)
+            are always computed. A skipped batch logs nothing from ``training_step``: a rank
+            that skipped every batch of an epoch has no value for an ``on_epoch=True,
+            sync_dist=True`` metric, and the epoch's reduction then waits for it (bounded by
+            ``timeout``).
         find_unused_parameters: parameters that no contribution of a round used
             keep ``grad = None`` (untouched by the optimizer, as under DDP with the
             option of that name); costs one element per parameter in every round
@@ -155,6 +178,7 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         staleness_rule: str = "auto",
         weight_prediction: bool = True,
         overlap: bool = False,
+        catch_up: bool = False,
         find_unused_parameters: bool = False,
         final_sync: float = 0.05,
         seed: int = 0,
@@ -190,6 +214,17 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
                 "'majority' or 'quorum'"
             )
         self.overlap = overlap
+        if not isinstance(catch_up, bool):
+            raise ValueError(f"eager_sgd: catch_up must be a bool, got {catch_up!r}")
+        if catch_up and (overlap or mode == "sync"):
+            raise ValueError(
+                "eager_sgd: catch_up=True skips a batch whose round ran without this rank, which needs rounds that "
+                f"run without it (not mode='sync') and a step that waits for its own round (not overlap=True); got "
+                f"mode={mode!r}, overlap={overlap!r}"
+            )
+        self.catch_up = catch_up
+        #: Batches this rank skipped in the current fit (``catch_up``): their samples were not trained.
+        self.skipped_steps = 0
         # Created here (no thread, no group: picklable); reset at every train start.
         self._in_flight: Optional[InFlight] = InFlight(extra=int(find_unused_parameters)) if overlap else None
         # With overlap, per optimizer: the re-timing of the step's delay (resolved at set-up), and the
@@ -201,6 +236,17 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         super().setup(trainer)
+        if self.catch_up and trainer.state.fn == TrainerFn.FITTING:
+            assert self.lightning_module is not None
+            if not self.lightning_module.automatic_optimization:
+                raise ValueError("eager_sgd: catch_up=True needs automatic optimization (it skips a batch's "
+                                 "training_step, which manual optimization runs itself)")
+            if trainer.accumulate_grad_batches != 1:
+                raise ValueError(
+                    f"eager_sgd: catch_up=True skips whole batches: Trainer(accumulate_grad_batches="
+                    f"{trainer.accumulate_grad_batches}) must be 1 (a skip would drop the micro-batches accumulated)"
+                )
+        self.skipped_steps = 0
         # After the optimizers exist, before any rank trains: a rule the optimizer
         # cannot serve fails here.
         self._staleness = compensation.resolve_all(self.staleness_rule, self.optimizers, owner=self.strategy_name)
@@ -227,9 +273,9 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
 
     @override
     def update_rule(self) -> dict[str, Any]:
-        """:meth:`PartialStrategy.update_rule`, ``overlap`` (bool) and, with it, ``overlap_retiming``: the rule
+        """:meth:`PartialStrategy.update_rule`, ``overlap`` and ``catch_up`` (bools) and, with ``overlap``, ``overlap_retiming``: the rule
         that re-times each step's one-step delay, per optimizer, comma-separated (``"none"``: not re-timed)."""
-        settings = {**super().update_rule(), "overlap": self.overlap}
+        settings = {**super().update_rule(), "overlap": self.overlap, "catch_up": self.catch_up}
         if self.overlap:
             settings["overlap_retiming"] = ",".join(
                 self._retiming.get(i, StalenessWeights()).rule for i in range(len(self.optimizers)))
@@ -266,6 +312,18 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             self._synchronise(index)
             return result
 
+        def skip_then_sync() -> None:
+            # This step's round ran without this rank: its result is applied as every rank's,
+            # and the batch is never computed (Lightning sees a training_step that returned None).
+            _compat.skip_closure(closure)
+            self._synchronise(index, skip=True)
+            self.skipped_steps += 1
+
+        if self.catch_up and self._engines[index].behind and _compat.skippable_closure(closure):
+            output = self._lightning_step(optimizer, skip_then_sync, model, kwargs)
+            if prediction is not None and before is not None:
+                prediction.finish(index, params, before)
+            return output
         output = self._lightning_step(optimizer, closure_then_sync, model, kwargs)
         self._compensate_delay(index)
         if prediction is not None and before is not None:
@@ -300,11 +358,20 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         """1 per parameter with a gradient, in the first parameter's dtype and device (its buffer)."""
         return torch.tensor(present, dtype=params[0].dtype).to(params[0].device, non_blocking=True)
 
-    def _synchronise(self, index: int) -> None:
+    def _synchronise(self, index: int, *, skip: bool = False) -> None:
         """Main thread, after the closure's backward: the step's gradient to its round, a round's result into
-        ``p.grad`` (this step's round; with ``overlap`` the previous step's, or none at a fit's first step)."""
+        ``p.grad`` (this step's round; with ``overlap`` the previous step's, or none at a fit's first step).
+
+        ``skip`` (``catch_up``, the closure not run): no gradient; this step's round's result into ``p.grad``.
+        """
         params = self._params[index]
         engine = self._engines[index]
+        if skip:
+            result = engine.skip()
+            self._set_gradients(params, result.tensors, known_used=False)
+            result.release()
+            self._record(index, result.stats)
+            return
         present = [p.grad is not None for p in params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         extra = [self._presence(params, present)] if self.find_unused_parameters else []

@@ -218,6 +218,7 @@ def main() -> None:
             "collective_names": sorted(set(SPY["calls"])),
             "train_rank_mean": float(trainer.callback_metrics.get("train_rank_mean", float("nan"))),
             "global_step": trainer.global_step,
+            "skipped_steps": getattr(trainer.strategy, "skipped_steps", 0),
         }
 
     def write(trainer: L.Trainer, record: dict) -> None:
