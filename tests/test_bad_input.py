@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import lightning as L
 import pytest
@@ -57,9 +57,9 @@ CASES: list[tuple[str, Callable[[], Any], str]] = [
      r"overlap=True is not available with mode='sync'"),
     ("eager_sgd catch_up not a bool", lambda: EagerSGDStrategy(catch_up="yes"), r"eager_sgd: catch_up must be a bool"),
     ("eager_sgd catch_up with overlap", lambda: EagerSGDStrategy(catch_up=True, overlap=True),
-     r"catch_up=True .*\(not overlap=True\)"),
+     r"catch_up=True .*\(not overlap=True\); got mode='solo', overlap=True$"),
     ("eager_sgd catch_up in sync mode", lambda: EagerSGDStrategy(catch_up=True, mode="sync"),
-     r"catch_up=True .*not mode='sync'"),
+     r"catch_up=True .*not mode='sync'.*got mode='sync', overlap=False$"),
     ("LoadImbalance straggle_at unknown", lambda: LoadImbalance(delay_ms=1.0, straggle_at="forward"),
      r"LoadImbalance: straggle_at must be one of 'batch_start', 'backward', got 'forward'"),
     ("eager_sgd sync_every 0", lambda: EagerSGDStrategy(sync_every=0), r"sync_every"),
@@ -159,6 +159,20 @@ class _Tiny(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class _ManualTiny(_Tiny):
+    """_Tiny under manual optimization."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
+
+
 class _Batches(L.Callback):
     """Records every training batch that starts (a refused configuration must leave it empty)."""
 
@@ -179,7 +193,7 @@ class _SaveAt(L.Callback):
 
 
 def tiny_fit(root: Path, strategy: Any, *, seen: list[int], callbacks: tuple = (), ckpt_path: Any = None,
-             steps: int = 3, **trainer_kwargs: Any) -> L.Trainer:
+             steps: int = 3, module: Optional[L.LightningModule] = None, **trainer_kwargs: Any) -> L.Trainer:
     """A 1-process fit in this process (the strategies' set-up runs for real: gloo, one rank)."""
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
                         callbacks=[_Batches(seen), *callbacks], enable_progress_bar=False,
@@ -188,7 +202,7 @@ def tiny_fit(root: Path, strategy: Any, *, seen: list[int], callbacks: tuple = (
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
     with in_process_fit():
-        trainer.fit(_Tiny(), torch.utils.data.DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
+        trainer.fit(module or _Tiny(), torch.utils.data.DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -261,6 +275,9 @@ SETUP_CASES: list[tuple[str, SetupBuild, str]] = [
     ("eager_sgd catch_up with gradient accumulation", lambda src, tmp: (
         EagerSGDStrategy(catch_up=True), {"accumulate_grad_batches": 2}),
      r"eager_sgd: catch_up=True skips whole batches.*accumulate_grad_batches=2\) must be 1"),
+    ("eager_sgd catch_up under manual optimization", lambda src, tmp: (
+        EagerSGDStrategy(catch_up=True), {"module": _ManualTiny()}),
+     r"eager_sgd: catch_up=True needs automatic optimization"),
     # a checkpoint written by a strategy of another family (its pending state would be lost)
     ("eager_sgd checkpoint under wagma_sgd", lambda src, tmp: (WAGMAStrategy(), {"ckpt_path": src}),
      r"written by strategy 'eager_sgd' \(engine family 'gradients'.*'wagma_sgd'.*eager_sgd, eager_sgd_majority"

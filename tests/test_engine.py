@@ -915,7 +915,7 @@ def test_skip_catches_up_and_conserves_what_was_sent(s):
     assert sum(r.stats.contributions for r in results) == sum(len(sent) for sent, _ in per_rank)
     assert len(skipped_steps[3]) >= steps // 3, skipped_steps  # the slow rank skipped, and so kept up
     # Within what the others run during one of its steps; computing every step, it would end most of the fit behind.
-    assert max(lag) < steps // 4, lag
+    assert max(lag) < steps // 2, lag
     for rank, (_, rank_results) in enumerate(per_rank):
         assert [r.round_index for r in rank_results if r.stats.skipped] == skipped_steps[rank]
         for q in skipped_steps[rank]:

@@ -219,6 +219,7 @@ def _stop_after_samples(batches: int) -> Any:
         def __init__(self) -> None:
             self.summed = 0
             self.round = -1
+            self.stopped = False  # the samples ended the fit (not max_steps)
 
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
@@ -229,6 +230,7 @@ def _stop_after_samples(batches: int) -> Any:
             self.summed += stats.contributions
             if self.summed >= batches:
                 trainer.should_stop = True
+                self.stopped = True
 
     return StopAfterSamples()
 
@@ -287,8 +289,9 @@ def run_worker(args: argparse.Namespace) -> int:
         imbalance = LoadImbalance(delay_ms=args.delay_ms, stragglers=1, seed=args.seed, log=False,
                                   straggle_at=args.straggle_at)
         callbacks.append(imbalance)
-    if catches_up(config):
-        callbacks.append(_stop_after_samples(args.steps * WORLD))
+    stop = _stop_after_samples(args.steps * WORLD) if catches_up(config) else None
+    if stop is not None:
+        callbacks.append(stop)
     if config.strategy == "abs_sgd":
         bounds: dict[str, int] = {"max_epochs": abs_sgd_epochs(args.steps, args.batch_size), "max_steps": -1}
     elif catches_up(config):
@@ -311,6 +314,9 @@ def run_worker(args: argparse.Namespace) -> int:
     rank = trainer.global_rank
     if recorder.t_start is None or recorder.t_end is None:
         raise RuntimeError(f"rank {rank}: the fit recorded no training interval")
+    if stop is not None and not stop.stopped:
+        raise RuntimeError(f"rank {rank}: the catch_up fit ended after {trainer.global_step} rounds with "
+                           f"{stop.summed} of {args.steps * WORLD} batches trained: not after the same samples")
 
     test_loss, test_acc = evaluate(model.net, task["x_test"], task["y_test"])
     train_loss, train_acc = evaluate(model.net, task["x_train"][:TRAIN_EVAL_SAMPLES], task["y_train"][:TRAIN_EVAL_SAMPLES])

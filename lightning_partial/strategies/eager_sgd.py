@@ -131,10 +131,12 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             makes the fast ranks wait (``docs/staleness.md#catching-up``). Needs automatic
             optimization with ``accumulate_grad_batches=1``; not with ``overlap`` or
             ``mode="sync"``. Steps whose round is synchronous (``final_sync``, ``sync_every``)
-            are always computed. A skipped batch logs nothing from ``training_step``: a rank
-            that skipped every batch of an epoch has no value for an ``on_epoch=True,
-            sync_dist=True`` metric, and the epoch's reduction then waits for it (bounded by
-            ``timeout``).
+            are always computed. A skipped batch runs no ``training_step``: a collective issued
+            there (``self.log(..., sync_dist=True)``, ``all_gather``) is then not issued on that
+            rank, and the ranks' later collectives pair up wrongly until ``timeout`` ends the
+            fit; use ``catch_up`` with a ``training_step`` that issues none (plain ``self.log``
+            is fine). Under a ``LightningModule.optimizer_step`` override that wraps the
+            closure, nothing is skipped (a warning says so once).
         find_unused_parameters: parameters that no contribution of a round used
             keep ``grad = None`` (untouched by the optimizer, as under DDP with the
             option of that name); costs one element per parameter in every round
@@ -225,6 +227,7 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         self.catch_up = catch_up
         #: Batches this rank skipped in the current fit (``catch_up``): their samples were not trained.
         self.skipped_steps = 0
+        self._warned_unskippable = False
         # Created here (no thread, no group: picklable); reset at every train start.
         self._in_flight: Optional[InFlight] = InFlight(extra=int(find_unused_parameters)) if overlap else None
         # With overlap, per optimizer: the re-timing of the step's delay (resolved at set-up), and the
@@ -246,7 +249,8 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
                     f"eager_sgd: catch_up=True skips whole batches: Trainer(accumulate_grad_batches="
                     f"{trainer.accumulate_grad_batches}) must be 1 (a skip would drop the micro-batches accumulated)"
                 )
-        self.skipped_steps = 0
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.skipped_steps = 0  # per fit (not restored by a resume); validate/test leave it as the fit left it
         # After the optimizers exist, before any rank trains: a rule the optimizer
         # cannot serve fails here.
         self._staleness = compensation.resolve_all(self.staleness_rule, self.optimizers, owner=self.strategy_name)
@@ -319,7 +323,7 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             self._synchronise(index, skip=True)
             self.skipped_steps += 1
 
-        if self.catch_up and self._engines[index].behind and _compat.skippable_closure(closure):
+        if self.catch_up and self._engines[index].behind and self._can_skip(closure):
             output = self._lightning_step(optimizer, skip_then_sync, model, kwargs)
             if prediction is not None and before is not None:
                 prediction.finish(index, params, before)
@@ -329,6 +333,21 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         if prediction is not None and before is not None:
             prediction.finish(index, params, before)  # the step's update, spike included
         return output
+
+    def _can_skip(self, closure: Callable[[], Any]) -> bool:
+        """``catch_up``: whether this step may skip its closure. Not while batches accumulate (a
+        ``GradientAccumulationScheduler`` raises ``accumulate_grad_batches`` after set-up: a skip would
+        overwrite the accumulated gradients), nor under a closure Lightning's loop cannot be told about."""
+        if self._trainer.accumulate_grad_batches != 1:
+            return False
+        if _compat.skippable_closure(closure):
+            return True
+        if not self._warned_unskippable:
+            self._warned_unskippable = True
+            log.warning("rank %d: eager_sgd catch_up=True: the optimizer step's closure is not Lightning's (a "
+                        "LightningModule.optimizer_step override wraps it), so this rank computes the batches it "
+                        "would skip", self.global_rank)
+        return False
 
     def _weigh_delayed(self, index: int, delay: int) -> None:
         """Overlap, after a landed result is in ``p.grad``, before clipping: its weight for its delay.
