@@ -294,7 +294,7 @@ def run_worker(args: argparse.Namespace) -> int:
         callbacks.append(stop)
     if config.strategy == "abs_sgd":
         bounds: dict[str, int] = {"max_epochs": abs_sgd_epochs(args.steps, args.batch_size), "max_steps": -1}
-    elif catches_up(config):
+    elif stop is not None:
         bounds = {"max_steps": 3 * args.steps}  # the samples decide (above); this only bounds a runaway fit
     else:
         bounds = {"max_steps": args.steps}

@@ -51,7 +51,7 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning_partial import _compat
-from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundStats
+from lightning_partial.collectives import PartialAllreduce, PartialAllreduceConfig, RoundResult, RoundStats
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.strategies import compensation
 from lightning_partial.strategies.options import StrategyOptions
@@ -323,13 +323,9 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             self._synchronise(index, skip=True)
             self.skipped_steps += 1
 
-        if self.catch_up and self._engines[index].behind and self._can_skip(closure):
-            output = self._lightning_step(optimizer, skip_then_sync, model, kwargs)
-            if prediction is not None and before is not None:
-                prediction.finish(index, params, before)
-            return output
-        output = self._lightning_step(optimizer, closure_then_sync, model, kwargs)
-        self._compensate_delay(index)
+        skipping = self.catch_up and self._engines[index].behind and self._can_skip(closure)
+        output = self._lightning_step(optimizer, skip_then_sync if skipping else closure_then_sync, model, kwargs)
+        self._compensate_delay(index)  # overlap's re-timing; a no-op for every other step, a skipped one included
         if prediction is not None and before is not None:
             prediction.finish(index, params, before)  # the step's update, spike included
         return output
@@ -386,10 +382,7 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         params = self._params[index]
         engine = self._engines[index]
         if skip:
-            result = engine.skip()
-            self._set_gradients(params, result.tensors, known_used=False)
-            result.release()
-            self._record(index, result.stats)
+            self._apply_round(index, engine.skip(), known_used=False)
             return
         present = [p.grad is not None for p in params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -398,10 +391,7 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             result = engine.arrive([*grads, *extra])
             # This rank's fresh gradient with every parameter's in the round: every parameter is
             # used, on every rank alike (the header says so to all), without reading the sums.
-            self._set_gradients(params, result.tensors,
-                                known_used=all(present) and self.global_rank in result.stats.fresh)
-            result.release()
-            self._record(index, result.stats)
+            self._apply_round(index, result, known_used=all(present) and self.global_rank in result.stats.fresh)
             return
         # Submitted before the earlier round is collected: this round's collectives may start
         # (another rank's arrival may activate it) while this rank waits for, and applies, that one.
@@ -418,6 +408,13 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         self._weigh_delayed(index, landed.delay)
         if landed.result is not None:
             self._record(index, landed.result.stats)
+
+    def _apply_round(self, index: int, result: RoundResult, *, known_used: bool) -> None:
+        """This step's round's result into ``p.grad`` (:meth:`_set_gradients`), its buffer released, its stats
+        recorded."""
+        self._set_gradients(self._params[index], result.tensors, known_used=known_used)
+        result.release()
+        self._record(index, result.stats)
 
     def _set_gradients(self, params: list[torch.nn.Parameter], values: list[torch.Tensor], *,
                        known_used: bool) -> None:
