@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from importlib import metadata
 from pathlib import Path
@@ -146,6 +147,34 @@ def cpu_ticks() -> tuple[int, int] | None:
     except (OSError, ValueError):
         return None
     return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """This process's threads: native id -> (role, CPU seconds so far), from ``/proc/self/task`` (Linux).
+
+    Roles: ``main`` (the training loop), ``communication`` (the engine's thread, named ``lightning_partial-...``),
+    ``other`` (threads Python does not know: gloo's, the ``TCPStore`` server's).
+    """
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = names.get(int(task.name), "")
+        role = "main" if name == "MainThread" else "communication" if name.startswith("lightning_partial") else "other"
+        out[int(task.name)] = (role, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
+    return out
+
+
+def cpu_by_role(first: dict[int, tuple[str, float]], last: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each role's threads used between two :func:`thread_cpu` snapshots."""
+    spent = {"main": 0.0, "communication": 0.0, "other": 0.0}
+    for tid, (role, seconds) in last.items():
+        spent[role] += seconds - first.get(tid, (role, 0.0))[1]
+    return spent
 
 
 def steal_between(start: tuple[int, int] | None, end: tuple[int, int] | None) -> float | None:

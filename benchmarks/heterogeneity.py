@@ -105,7 +105,6 @@ import math
 import os
 import platform
 import subprocess
-import threading
 import time
 from collections import Counter
 from importlib import metadata
@@ -119,6 +118,7 @@ from benchmarks.harness import (
     RESULTS,
     add_device_argument,
     add_steal_arguments,
+    cpu_by_role,
     cpu_ticks,
     emulated_device,
     module_command,
@@ -127,6 +127,7 @@ from benchmarks.harness import (
     run_in_group,
     set_threads,
     steal_between,
+    thread_cpu,
     thread_environment,
 )
 from benchmarks.imbalance.task import (
@@ -393,34 +394,6 @@ def loss_window(args: argparse.Namespace, name: str) -> int:
     configuration (a smaller micro-batch is averaged over more batches: a noisier curve would otherwise
     reach a loss earlier)."""
     return max(1, round(WINDOW * args.batch_size / micro_batch(args, name)))
-
-
-def thread_cpu() -> dict[int, tuple[str, float]]:
-    """This process's threads: native id -> (role, CPU seconds so far), from ``/proc/self/task`` (Linux).
-
-    Roles: ``main`` (the training loop), ``communication`` (the engine's thread, named ``lightning_partial-...``),
-    ``other`` (threads Python does not know: gloo's, the ``TCPStore`` server's).
-    """
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended meanwhile
-            continue
-        name = names.get(int(task.name), "")
-        role = "main" if name == "MainThread" else "communication" if name.startswith("lightning_partial") else "other"
-        out[int(task.name)] = (role, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
-    return out
-
-
-def cpu_by_role(first: dict[int, tuple[str, float]], last: dict[int, tuple[str, float]]) -> dict[str, float]:
-    """CPU seconds each role's threads used between two :func:`thread_cpu` snapshots."""
-    spent = {"main": 0.0, "communication": 0.0, "other": 0.0}
-    for tid, (role, seconds) in last.items():
-        spent[role] += seconds - first.get(tid, (role, 0.0))[1]
-    return spent
 
 
 def concurrent_speed(ranks: list[dict[str, Any]]) -> float:

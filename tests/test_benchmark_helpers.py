@@ -6,7 +6,8 @@ import inspect
 import pytest
 import torch
 
-from benchmarks import heterogeneity
+from benchmarks import harness, heterogeneity
+from benchmarks.imbalance import report
 from lightning_partial import ABSSGDStrategy
 
 pytestmark = pytest.mark.timeout(120)
@@ -179,9 +180,22 @@ def test_the_stability_model_reduces_to_its_uniform_delay_and_is_undelayed_when_
 def test_cpu_by_role_sums_each_role_between_snapshots_and_counts_new_threads_whole():
     first = {1: ("main", 1.0), 2: ("communication", 0.5)}
     last = {1: ("main", 3.0), 2: ("communication", 0.75), 3: ("other", 0.25)}
-    assert heterogeneity.cpu_by_role(first, last) == {"main": 2.0, "communication": 0.25, "other": 0.25}
-    here = heterogeneity.thread_cpu()
+    assert harness.cpu_by_role(first, last) == {"main": 2.0, "communication": 0.25, "other": 0.25}
+    here = harness.thread_cpu()
     assert any(role == "main" for role, _ in here.values()) and all(s >= 0 for _, s in here.values())
+
+
+def test_the_imbalance_cpu_parts_add_up_to_the_process_cpu_per_trained_sample():
+    ranks = [
+        {"samples": 100, "cpu_s": 1.0, "compute_cpu_s": 0.5, "thread_cpu_s": {"main": 0.7, "communication": 0.1}},
+        {"samples": 300, "cpu_s": 2.0, "compute_cpu_s": 1.5, "thread_cpu_s": {"main": 1.7, "communication": 0.2}},
+    ]
+    parts = report.cpu_parts(ranks)
+    assert parts == pytest.approx({"cpu_us_compute": 5000.0, "cpu_us_step": 1000.0,
+                                   "cpu_us_communication": 750.0, "cpu_us_other": 750.0})
+    assert sum(parts.values()) == pytest.approx(3.0 / 400 * 1e6)  # the whole process CPU, every thread
+    legacy = report.cpu_parts([{"samples": 1, "cpu_s": 1.0}])  # a record from before the split
+    assert set(legacy) == set(report.CPU_PARTS) and all(v != v for v in legacy.values())
 
 
 def test_the_cnn_task_is_built_once_deterministic_and_buffer_free(tmp_path, monkeypatch):

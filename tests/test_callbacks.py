@@ -176,6 +176,7 @@ def tiny_fit(
     strategy: Any = "auto",
     csv_logger: bool = False,
     ckpt: Optional[Path] = None,
+    log_every: int = 1,
 ) -> tuple[L.Trainer, Tiny]:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(256, 4, generator=g), torch.randn(256, 1, generator=g))
@@ -188,7 +189,7 @@ def tiny_fit(
         accumulate_grad_batches=accumulate,
         callbacks=callbacks,
         logger=CSVLogger(tmp_path, name="csv", version=0) if csv_logger else False,
-        log_every_n_steps=1,
+        log_every_n_steps=log_every,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -228,6 +229,13 @@ def test_load_imbalance_records_delay_and_slowdown_and_logs_them(tmp_path: Path)
     rows = list(csv.DictReader((tmp_path / "csv" / "version_0" / "metrics.csv").open()))
     logged = [float(r["imbalance/delay_ms"]) for r in rows if r.get("imbalance/delay_ms")]
     assert logged and all(v > 1.0 for v in logged)
+
+    every3 = LoadImbalance(delay_ms=1.0, stragglers=1, seed=5)
+    tiny_fit(tmp_path / "every3", [every3], steps=9, csv_logger=True, log_every=3)
+    logged_at = {int(step): float(m["imbalance/delay_ms"])
+                 for step, m in _by_step(_csv_rows(tmp_path / "every3"), "imbalance/").items()}
+    # Written at batches 2, 5, 8 (log_every_n_steps=3): each the value of its own batch.
+    assert logged_at == {b: list(every3.records)[b].total_ms for b in (2, 5, 8)}
 
     full = LoadImbalance(speed=[1.0], log=False)
     tiny_fit(tmp_path / "full", [full], steps=3)
@@ -304,6 +312,46 @@ def test_tracker_under_accumulation_logs_only_stepping_batches(tmp_path: Path) -
     rows = list(csv.DictReader((tmp_path / "csv" / "version_0" / "metrics.csv").open()))
     assert [float(r["partial/round"]) for r in rows if r.get("partial/round")] == [0.0, 1.0, 2.0]
     assert tracker.summary[0].rounds == 3
+
+
+def _csv_rows(root: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader((root / "csv" / "version_0" / "metrics.csv").open()))
+
+
+def _by_step(rows: list[dict[str, str]], prefix: str) -> dict[str, dict[str, str]]:
+    """The logged ``prefix`` metrics of each step (a step may take several rows)."""
+    out: dict[str, dict[str, str]] = {}
+    for row in rows:
+        out.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k.startswith(prefix) and v != ""})
+    return {step: metrics for step, metrics in out.items() if metrics}
+
+
+@pytest.mark.parametrize("manual, accumulate", [(False, 1), (True, 1), (False, 2)])
+def test_tracker_logs_only_where_lightning_writes_what_every_batch_would_show(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, manual: bool, accumulate: int
+) -> None:
+    """With ``log_every_n_steps=3`` the tracker calls ``log`` only at the batches whose metrics Lightning
+    writes, and the loggers receive there exactly what logging at every batch gives them."""
+    calls: list[int] = []
+    original = L.LightningModule.log
+
+    def counting(self: L.LightningModule, name: str, *args: Any, **kwargs: Any) -> None:
+        if name.startswith("partial/"):
+            calls.append(self.trainer.fit_loop.epoch_loop._batches_that_stepped)
+        original(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(L.LightningModule, "log", counting)
+    runs = {}
+    for every in (1, 3):
+        calls.clear()
+        tiny_fit(tmp_path / str(every), [StalenessTracker()], steps=14, manual=manual, accumulate=accumulate,
+                 strategy=SyntheticRounds(), csv_logger=True, log_every=every)
+        runs[every] = (_by_step(_csv_rows(tmp_path / str(every)), "partial/"), sorted(set(calls)), len(calls))
+    (dense, _, dense_calls), (sparse, sparse_at, sparse_calls) = runs[1], runs[3]
+    assert sparse and len(sparse) < len(dense)
+    assert sparse == {step: dense[step] for step in sparse}  # the same figures where Lightning wrote
+    assert all((b + 1) % 3 == 0 for b in sparse_at)  # log() was called at written batches only
+    assert 0 < sparse_calls < dense_calls / 2
 
 
 def test_tracker_without_round_stats_warns_once_and_logs_nothing(

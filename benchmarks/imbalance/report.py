@@ -98,6 +98,7 @@ def summarise_run(config: Config, ranks: list[dict], args: argparse.Namespace) -
         # CPU cost of a sample, all threads of all ranks: on a machine with fewer cores than
         # ranks, throughput is bounded by cores / this.
         "cpu_us_per_sample": sum(r["cpu_s"] for r in ranks) / sum(r["samples"] for r in ranks) * 1e6,
+        **cpu_parts(ranks),
         # Share of the machine's CPU time the hypervisor stole during rank 0's training interval.
         "steal_fraction": r0["steal_fraction"] if r0["steal_fraction"] is not None else float("nan"),
         "train_loss_last_rank0": statistics.fmean(r0["losses"][-LAST_LOSSES:]),
@@ -121,11 +122,36 @@ def summarise_run(config: Config, ranks: list[dict], args: argparse.Namespace) -
     }
 
 
+# CPU per trained sample by part, summed over the ranks (microseconds): ``compute`` is the main
+# thread's forward and backward, ``step`` the rest of the main thread (the training loop, the
+# optimizer update, the strategy's step, callbacks, data), ``communication`` the engine's threads
+# (as they were before the strategy's on_train_end ended them), ``other`` the rest of the process's
+# CPU: the threads Python does not know (gloo's, the TCPStore server's; DDP's allreduce).
+CPU_PARTS = ("cpu_us_compute", "cpu_us_step", "cpu_us_communication", "cpu_us_other")
+
+
+def cpu_parts(ranks: list[dict[str, Any]]) -> dict[str, float]:
+    """:data:`CPU_PARTS` of one fit (NaN for records written before the worker measured them)."""
+    samples = sum(r["samples"] for r in ranks)
+    if any("thread_cpu_s" not in r for r in ranks):
+        return dict.fromkeys(CPU_PARTS, float("nan"))
+    compute = sum(r["compute_cpu_s"] for r in ranks)
+    main = sum(r["thread_cpu_s"]["main"] for r in ranks)
+    communication = sum(r["thread_cpu_s"]["communication"] for r in ranks)
+    other = sum(r["cpu_s"] for r in ranks) - main - communication
+    return {
+        "cpu_us_compute": compute / samples * 1e6,
+        "cpu_us_step": (main - compute) / samples * 1e6,
+        "cpu_us_communication": communication / samples * 1e6,
+        "cpu_us_other": other / samples * 1e6,
+    }
+
+
 # Figures summarised over repeats (median, min, max).
 FIGURES = (
     "steps_per_s_mean", "steps_per_s_rank0", "step_ms_mean", "samples_per_s_total", "train_loss_last_rank0",
     "train_loss_last_mean", "train_eval_loss_rank0", "test_loss_rank0", "test_acc_rank0", "cpu_us_per_sample",
-    "steal_fraction",
+    "steal_fraction", *CPU_PARTS,
 )
 
 
@@ -229,6 +255,13 @@ def print_table(results: dict[str, dict], repeats: int) -> None:
         )
     if repeats > 1:
         print(f"(medians of {repeats} runs; min and max in the JSON)")
+    print()
+    print(f"{'CPU us per trained sample':<31}{'compute':>9}{'step':>7}{'comm':>7}{'other':>7}{'total':>8}")
+    for name in CONFIGS:
+        if name in results and results[name]["runs"]:
+            med = results[name]["median"]
+            print(f"{name:<31}" + "".join(f"{_fmt(med[k], '.1f'):>{w}}" for k, w in zip(CPU_PARTS, (9, 7, 7, 7)))
+                  + f"{med['cpu_us_per_sample']:>8.1f}")
     goals = goal_figures(results)
     if goals:
         print()

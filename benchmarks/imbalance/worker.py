@@ -18,7 +18,15 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import BARE_TRAINER, cpu_ticks, emulated_device, set_threads, steal_between
+from benchmarks.harness import (
+    BARE_TRAINER,
+    cpu_by_role,
+    cpu_ticks,
+    emulated_device,
+    set_threads,
+    steal_between,
+    thread_cpu,
+)
 from benchmarks.imbalance.configs import CONFIGS, WORLD, Config
 from benchmarks.imbalance.task import (
     TRAIN_EVAL_SAMPLES,
@@ -95,12 +103,20 @@ def _lightning_parts() -> tuple[type, type]:
             self.lr, self.momentum, self.optimizer_name = lr, momentum, optimizer
             self.schedule, self.steps = schedule, steps
             self.losses: list[float] = []
+            # Main-thread CPU seconds in forward and backward (the training step's own compute), to
+            # separate it from what a step costs around it: the loop, the optimizer, the strategy.
+            self.compute_cpu_s = 0.0
+            self._compute_from = 0.0
 
         def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            self._compute_from = time.thread_time()
             x, y = batch
             loss = torch.nn.functional.cross_entropy(self.net(x), y)
             self.losses.append(loss.item())
             return loss
+
+        def on_after_backward(self) -> None:
+            self.compute_cpu_s += time.thread_time() - self._compute_from
 
         def configure_optimizers(self) -> Any:
             if self.optimizer_name == "adamw":
@@ -136,6 +152,9 @@ def _lightning_parts() -> tuple[type, type]:
             self.cpu_end: float | None = None
             self.ticks_start: tuple[int, int] | None = None
             self.ticks_end: tuple[int, int] | None = None
+            # The same CPU by thread role (main, communication, other: gloo's and the store's threads).
+            self.threads_start: dict[int, tuple[str, float]] = {}
+            self.threads_end: dict[int, tuple[str, float]] = {}
             self.step_ends: list[float] = []
             self.computed: list[bool] = []
             self.collectives_at_batch_end: list[int] = []  # cumulative default-group calls (CollectiveCounter)
@@ -146,6 +165,7 @@ def _lightning_parts() -> tuple[type, type]:
                 self.t_start = time.perf_counter()
                 self.cpu_start = time.process_time()
                 self.ticks_start = cpu_ticks()
+                self.threads_start = thread_cpu()
                 self.counter.active = True
 
         def on_train_batch_end(
@@ -166,10 +186,13 @@ def _lightning_parts() -> tuple[type, type]:
             inner = strategy.on_train_end
 
             def on_train_end() -> None:
+                # The engine's threads end in on_train_end: their CPU is read before, the rest after.
+                before = thread_cpu()
                 inner()
                 self.t_end = time.perf_counter()
                 self.cpu_end = time.process_time()
                 self.ticks_end = cpu_ticks()
+                self.threads_end = {**before, **thread_cpu()}
                 self.counter.active = False
 
             strategy.on_train_end = on_train_end
@@ -328,6 +351,8 @@ def run_worker(args: argparse.Namespace) -> int:
         "samples": steps * args.batch_size,
         "wall_s": recorder.t_end - recorder.t_start,
         "cpu_s": recorder.cpu_end - recorder.cpu_start,  # type: ignore[operator]
+        "thread_cpu_s": cpu_by_role(recorder.threads_start, recorder.threads_end),
+        "compute_cpu_s": model.compute_cpu_s,
         "steal_fraction": steal_between(recorder.ticks_start, recorder.ticks_end),
         "startup_s": recorder.t_start - t_process,
         "t_start": recorder.t_start,  # time.perf_counter: CLOCK_MONOTONIC, comparable across processes

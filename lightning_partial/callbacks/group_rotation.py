@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from lightning_partial import _compat
 from lightning_partial.collectives.checks import check_int
 from lightning_partial.collectives.schedules import Schedule, SwitchingSchedule
 from lightning_partial.strategies.options import ScheduleSource
@@ -55,7 +56,8 @@ class GroupRotation(Callback):
         switch_at: ``{round: schedule}``: from that round on, use that schedule.
         consensus_every: have the strategy measure the consensus distance every
             ``n`` rounds (besides every global average); ``None`` keeps its setting.
-        log: log the metrics through ``LightningModule.log`` (any logger).
+        log: log the metrics through ``LightningModule.log`` (any logger), at the
+            batches whose step metrics Lightning writes (``log_every_n_steps``).
         history: how many rounds' :class:`GroupRecord` to keep in :attr:`history`
             (the oldest are dropped, so a long fit's memory stays flat).
 
@@ -87,6 +89,8 @@ class GroupRotation(Callback):
         self.log = log
         self.history: deque[GroupRecord] = deque(maxlen=history)
         self._last_round: dict[int, int] = {}
+        # Metric name -> its latest value since the last batch whose metrics Lightning wrote (logged there).
+        self._pending: dict[str, float] = {}
 
     @staticmethod
     def _model_averaging(trainer: "pl.Trainer") -> Any:
@@ -97,6 +101,7 @@ class GroupRotation(Callback):
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._pending.clear()  # nothing of an earlier fit is logged in this one
         strategy = self._model_averaging(trainer)
         if strategy is None:
             if self.schedule is not None or self.switch_at:
@@ -148,5 +153,8 @@ class GroupRotation(Callback):
             }
             if stats.consensus is not None:
                 metrics[f"groups/consensus{suffix}"] = float(stats.consensus)
-            for name, value in metrics.items():
+            self._pending.update(metrics)
+        if self._pending and _compat.logs_this_step(trainer):
+            for name, value in self._pending.items():
                 pl_module.log(name, value, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=False)
+            self._pending.clear()

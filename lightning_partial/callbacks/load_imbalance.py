@@ -52,6 +52,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_partial import _compat
 from lightning_partial.collectives.checks import check_int, is_finite_number
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,8 @@ class LoadImbalance(Callback):
             factor ``f`` takes ``1/f`` times its measured forward + backward.
             Its length must equal the world size (checked at set-up).
         seed: seed of the straggler draw (identical on every rank).
-        log: log ``imbalance/delay_ms`` per step through ``pl_module.log``.
+        log: log ``imbalance/delay_ms`` per step through ``pl_module.log`` (at the
+            batches whose step metrics Lightning writes: ``log_every_n_steps``).
         history: how many per-batch :class:`ImbalanceRecord` to keep in
             :attr:`records` (the oldest are dropped; totals count everything).
         straggle_at: when a drawn rank sleeps: ``"batch_start"`` (default, the
@@ -271,8 +273,9 @@ class LoadImbalance(Callback):
         self.last_delay_ms = record.total_ms
         self.injected_ms += record.total_ms
         self._mark = None
-        if self.log:
-            # Per rank, per step: reducing it would be a collective on every step.
+        if self.log and _compat.logs_this_step(trainer):
+            # Per rank, per step: reducing it would be a collective on every step. Only where a logger
+            # will see it: a call costs about a millisecond of CPU, which the step would pay.
             pl_module.log(
                 "imbalance/delay_ms", record.total_ms, on_step=True, on_epoch=False, sync_dist=False, batch_size=1
             )

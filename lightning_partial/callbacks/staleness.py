@@ -17,8 +17,10 @@ Contract:
   this rank's micro-batches (0: on the weights they were computed on; its own
   figure on each rank, a slow rank's the largest; see
   :mod:`~lightning_partial.strategies.step_lag`); with suffix ``_<i>`` for optimizer index ``i > 0``.
-  Through ``pl_module.log(on_step=True, on_epoch=False, sync_dist=False)``,
-  so any Lightning logger (CSV, TensorBoard, W&B) receives them (loggers
+  Through ``pl_module.log(on_step=True, on_epoch=False, sync_dist=False)`` at the
+  batches whose step metrics Lightning writes (``Trainer(log_every_n_steps=...)``:
+  a call costs about a millisecond of CPU, and at other batches no logger would
+  see it), so any Lightning logger (CSV, TensorBoard, W&B) receives them (loggers
   write rank 0's view; only ``wait_ms``, ``skipped`` and ``step_lag`` differ between ranks); no collective.
   Note that Lightning hands loggers the latest value of every step metric at
   each logged step: under manual optimization, an optimizer that did not step
@@ -47,6 +49,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_partial import _compat
 from lightning_partial.collectives import RoundStats
 
 log = logging.getLogger(__name__)
@@ -170,6 +173,9 @@ class StalenessTracker(Callback):
         self.log = log
         self.summary: dict[int, StalenessSummary] = {}
         self.last: dict[int, dict[str, float]] = {}
+        # Metric name -> its latest value since the last batch whose metrics Lightning wrote: logged
+        # there, so loggers see what logging every batch would have shown them.
+        self._pending: dict[str, float] = {}
         self._warned = False
 
     def _round_stats(self, trainer: "pl.Trainer") -> Optional[Mapping[int, RoundStats]]:
@@ -217,6 +223,7 @@ class StalenessTracker(Callback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # The update rule in force (weight prediction, the resolved staleness rule), once, as
         # hyperparameters: every logger (W&B's config, CSV's hparams.yaml) records it.
+        self._pending.clear()
         rule = getattr(trainer.strategy, "update_rule", None)
         if self.log and callable(rule):
             hyperparameters = {f"partial/{key}": value for key, value in rule().items()}
@@ -230,13 +237,13 @@ class StalenessTracker(Callback):
         for index, stats in self._new_rounds(trainer):
             figures = self._figures(trainer, index, stats)
             self.last[index] = figures
-            if not self.log:
-                continue
-            for metric, value in figures.items():
+            if self.log:
+                self._pending.update({metric_name(metric, index): value for metric, value in figures.items()})
+        if self._pending and _compat.logs_this_step(trainer):
+            for name, value in self._pending.items():
                 # This rank's own view, per step: a reduction would synchronise every step.
-                pl_module.log(
-                    metric_name(metric, index), value, on_step=True, on_epoch=False, sync_dist=False, batch_size=1
-                )
+                pl_module.log(name, value, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)
+            self._pending.clear()
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
