@@ -275,8 +275,9 @@ def run_in_group(cmd: list[str], *, records: list[Path], timeout: float, env: di
 
 
 __all__ = [
-    "BARE_TRAINER", "RANK_VARIABLES", "REPO", "RESULTS", "add_device_argument", "add_steal_arguments", "cpu_ticks",
+    "BARE_TRAINER", "RANK_VARIABLES", "REPO", "RESULTS", "add_device_argument", "add_steal_arguments", "cpu_by_role",
+    "cpu_ticks",
     "emulated_device", "free_port", "kill_group", "launch_environment", "live_group_members", "module_command",
     "non_negative_ms", "package_version", "positive_int", "retry_while_stolen", "run_in_group", "set_threads",
-    "steal_between", "thread_environment",
+    "steal_between", "thread_cpu", "thread_environment",
 ]

@@ -261,12 +261,14 @@ def logs_this_step(trainer: Any) -> bool:
     Asked in ``on_train_batch_end``, it is the check Lightning's logger connector makes right after that
     hook (none while automatic optimization accumulates; then ``log_every_n_steps``, a stop,
     ``fast_dev_run``). An ``on_step`` metric logged at any other batch is overwritten before a logger sees
-    it, yet ``LightningModule.log`` costs about a millisecond of CPU a call: callbacks that log several
-    figures per batch would otherwise take that from every step.
+    it, yet ``LightningModule.log`` costs 0.6-0.9 ms of CPU a call: callbacks that log several figures
+    per batch would otherwise take that from every step. A stop requested after the asking callback's hook
+    (a later callback's, ``max_time``'s ``Timer``) makes Lightning write the batch without that callback's
+    figures of it.
     """
-    connector = getattr(trainer, "_logger_connector", None)
-    if connector is None:  # a Lightning without it: log every batch, as before
+    try:
+        if trainer.fit_loop._should_accumulate() and trainer.lightning_module.automatic_optimization:
+            return False
+        return bool(trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
+    except AttributeError:  # a Lightning that moved them: log every batch
         return True
-    if trainer.fit_loop._should_accumulate() and trainer.lightning_module.automatic_optimization:
-        return False
-    return bool(connector.should_update_logs or trainer.fast_dev_run)

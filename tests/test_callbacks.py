@@ -27,7 +27,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_partial.callbacks import LoadImbalance, StalenessTracker, draw_stragglers
+from lightning_partial.callbacks import GroupRotation, LoadImbalance, StalenessTracker, draw_stragglers
 from lightning_partial.collectives import RoundStats
 from lightning_partial.loggers import INSTALL_HINT, wandb_logger
 
@@ -166,6 +166,18 @@ class SyntheticRounds(SingleDeviceStrategy):
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
 
+class SyntheticGroupRounds(SyntheticRounds):
+    """SyntheticRounds whose rounds are group rounds; a consensus distance on every fifth."""
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        for index, stats in self.round_stats.items():
+            r = stats.round_index
+            self.round_stats[index] = dataclasses.replace(
+                stats, group=(0,), group_id=r % 3, consensus=float(r) if r % 5 == 0 else None)
+        return out
+
+
 def tiny_fit(
     tmp_path: Path,
     callbacks: list[L.Callback],
@@ -217,7 +229,7 @@ def test_options_that_need_the_world_size_fail_at_setup(tmp_path: Path, callback
     assert model_batches == []  # before any batch ran
 
 
-def test_load_imbalance_records_delay_and_slowdown_and_logs_them(tmp_path: Path) -> None:
+def test_load_imbalance_records_delay_and_slowdown_and_logs_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     slow = LoadImbalance(delay_ms=1.0, stragglers=1, speed=[0.5], seed=5)
     tiny_fit(tmp_path, [slow], steps=6, accumulate=2, csv_logger=True)
     records = list(slow.records)
@@ -231,7 +243,9 @@ def test_load_imbalance_records_delay_and_slowdown_and_logs_them(tmp_path: Path)
     assert logged and all(v > 1.0 for v in logged)
 
     every3 = LoadImbalance(delay_ms=1.0, stragglers=1, seed=5)
+    calls = _count_logs(monkeypatch, "imbalance/")
     tiny_fit(tmp_path / "every3", [every3], steps=9, csv_logger=True, log_every=3)
+    assert calls == [2, 5, 8]  # log() at the written batches only
     logged_at = {int(step): float(m["imbalance/delay_ms"])
                  for step, m in _by_step(_csv_rows(tmp_path / "every3"), "imbalance/").items()}
     # Written at batches 2, 5, 8 (log_every_n_steps=3): each the value of its own batch.
@@ -326,32 +340,62 @@ def _by_step(rows: list[dict[str, str]], prefix: str) -> dict[str, dict[str, str
     return {step: metrics for step, metrics in out.items() if metrics}
 
 
-@pytest.mark.parametrize("manual, accumulate", [(False, 1), (True, 1), (False, 2)])
-def test_tracker_logs_only_where_lightning_writes_what_every_batch_would_show(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, manual: bool, accumulate: int
-) -> None:
-    """With ``log_every_n_steps=3`` the tracker calls ``log`` only at the batches whose metrics Lightning
-    writes, and the loggers receive there exactly what logging at every batch gives them."""
+def _count_logs(monkeypatch: pytest.MonkeyPatch, prefix: str) -> list[int]:
+    """Records, per ``LightningModule.log`` call of a ``prefix`` metric, the batch it was made at."""
     calls: list[int] = []
     original = L.LightningModule.log
 
     def counting(self: L.LightningModule, name: str, *args: Any, **kwargs: Any) -> None:
-        if name.startswith("partial/"):
+        if name.startswith(prefix):
             calls.append(self.trainer.fit_loop.epoch_loop._batches_that_stepped)
         original(self, name, *args, **kwargs)
 
     monkeypatch.setattr(L.LightningModule, "log", counting)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "callback, strategy, prefix, manual, accumulate",
+    [
+        (StalenessTracker, SyntheticRounds, "partial/", False, 1),
+        (StalenessTracker, SyntheticRounds, "partial/", True, 1),
+        (StalenessTracker, SyntheticRounds, "partial/", False, 2),
+        (GroupRotation, SyntheticGroupRounds, "groups/", False, 1),
+        (GroupRotation, SyntheticGroupRounds, "groups/", True, 1),
+    ],
+)
+def test_round_callbacks_log_only_where_lightning_writes_what_every_batch_would_show(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, callback: type, strategy: type, prefix: str, manual: bool,
+    accumulate: int,
+) -> None:
+    """With ``log_every_n_steps=3`` a callback calls ``log`` only at the batches whose metrics Lightning writes,
+    and the loggers receive there exactly what logging at every batch gives them, over two epochs (32 batches
+    each) and with a metric logged only now and then (``groups/consensus``)."""
+    calls = _count_logs(monkeypatch, prefix)
     runs = {}
     for every in (1, 3):
         calls.clear()
-        tiny_fit(tmp_path / str(every), [StalenessTracker()], steps=14, manual=manual, accumulate=accumulate,
-                 strategy=SyntheticRounds(), csv_logger=True, log_every=every)
-        runs[every] = (_by_step(_csv_rows(tmp_path / str(every)), "partial/"), sorted(set(calls)), len(calls))
+        tiny_fit(tmp_path / str(every), [callback()], steps=40 if accumulate == 1 else 20, manual=manual,
+                 accumulate=accumulate, strategy=strategy(), csv_logger=True, log_every=every)
+        runs[every] = (_by_step(_csv_rows(tmp_path / str(every)), prefix), sorted(set(calls)), len(calls))
     (dense, _, dense_calls), (sparse, sparse_at, sparse_calls) = runs[1], runs[3]
     assert sparse and len(sparse) < len(dense)
     assert sparse == {step: dense[step] for step in sparse}  # the same figures where Lightning wrote
     assert all((b + 1) % 3 == 0 for b in sparse_at)  # log() was called at written batches only
     assert 0 < sparse_calls < dense_calls / 2
+    if callback is GroupRotation:
+        assert any(f"{prefix}consensus" in m for m in sparse.values())
+
+
+def test_log_false_logs_nothing_although_lightning_sets_every_callbacks_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning assigns ``callback.log = module.log`` at fit start: the option must not live there."""
+    calls = _count_logs(monkeypatch, "")
+    callbacks = [StalenessTracker(log=False), GroupRotation(log=False), LoadImbalance(delay_ms=1.0, log=False)]
+    tiny_fit(tmp_path, callbacks, steps=6, strategy=SyntheticGroupRounds(), csv_logger=True)
+    assert calls == []
+    assert callbacks[0].last[0]["round"] == 5.0 and len(callbacks[1].history) == 6  # they still record
 
 
 def test_tracker_without_round_stats_warns_once_and_logs_nothing(

@@ -86,7 +86,8 @@ class AdaptiveBatchSize(Callback):
         check_int("history", history, minimum=0, owner="AdaptiveBatchSize")
         self.window = window
         self.min_batch_size = min_batch_size
-        self.log = log
+        # Not ``self.log``: Lightning sets every callback's ``log`` to the module's at fit start.
+        self._log = log
         self.sizes: Optional[tuple[int, ...]] = None  # every rank's current size
         #: Every rank's micro-batches per synchronous round (1 each under the asynchronous rule).
         self.micro_batches: Optional[tuple[int, ...]] = None
@@ -201,7 +202,7 @@ class AdaptiveBatchSize(Callback):
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self.log and self._pending_log is not None and trainer.loggers:
+        if self._log and self._pending_log is not None and trainer.loggers:
             pl_module.log_dict(self._pending_log, on_step=True, on_epoch=False)
         self._pending_log = None
 

@@ -57,7 +57,8 @@ class GroupRotation(Callback):
         consensus_every: have the strategy measure the consensus distance every
             ``n`` rounds (besides every global average); ``None`` keeps its setting.
         log: log the metrics through ``LightningModule.log`` (any logger), at the
-            batches whose step metrics Lightning writes (``log_every_n_steps``).
+            batches whose step metrics Lightning writes (``log_every_n_steps``; as
+            :class:`~lightning_partial.callbacks.StalenessTracker`'s).
         history: how many rounds' :class:`GroupRecord` to keep in :attr:`history`
             (the oldest are dropped, so a long fit's memory stays flat).
 
@@ -86,7 +87,8 @@ class GroupRotation(Callback):
         self.schedule = schedule
         self.switch_at = switch_at
         self.consensus_every = consensus_every
-        self.log = log
+        # Not ``self.log``: Lightning sets every callback's ``log`` to the module's at fit start.
+        self._log = log
         self.history: deque[GroupRecord] = deque(maxlen=history)
         self._last_round: dict[int, int] = {}
         # Metric name -> its latest value since the last batch whose metrics Lightning wrote (logged there).
@@ -129,6 +131,10 @@ class GroupRotation(Callback):
             strategy.measure_every = self.consensus_every
 
     @override
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._pending.clear()  # Lightning drops an epoch's unwritten step metrics: so do we
+
+    @override
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -143,7 +149,7 @@ class GroupRotation(Callback):
             self.history.append(
                 GroupRecord(trainer.global_step, stats.round_index, group_id, stats.group, stats.consensus)
             )
-            if not self.log:
+            if not self._log:
                 continue
             suffix = "" if index == 0 else f"/opt{index}"
             metrics = {

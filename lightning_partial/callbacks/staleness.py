@@ -18,9 +18,15 @@ Contract:
   figure on each rank, a slow rank's the largest; see
   :mod:`~lightning_partial.strategies.step_lag`); with suffix ``_<i>`` for optimizer index ``i > 0``.
   Through ``pl_module.log(on_step=True, on_epoch=False, sync_dist=False)`` at the
-  batches whose step metrics Lightning writes (``Trainer(log_every_n_steps=...)``:
-  a call costs about a millisecond of CPU, and at other batches no logger would
-  see it), so any Lightning logger (CSV, TensorBoard, W&B) receives them (loggers
+  batches whose step metrics Lightning writes (``Trainer(log_every_n_steps=...)``),
+  each metric's latest value since the last of them in the epoch: a call costs
+  0.6-0.9 ms of CPU, and at other batches no logger would see it. So
+  ``trainer.callback_metrics`` holds them as of the last written batch (never,
+  with ``log_every_n_steps=0``: a ``ModelCheckpoint`` or ``EarlyStopping``
+  monitoring one needs a written batch), and a stop requested after this
+  callback's hook (``max_time``) writes its last batch without its figures; :attr:`last`
+  and :attr:`summary` always hold every round. Any Lightning logger (CSV, TensorBoard, W&B)
+  receives them (loggers
   write rank 0's view; only ``wait_ms``, ``skipped`` and ``step_lag`` differ between ranks); no collective.
   Note that Lightning hands loggers the latest value of every step metric at
   each logged step: under manual optimization, an optimizer that did not step
@@ -170,7 +176,8 @@ class StalenessTracker(Callback):
         super().__init__()
         if not isinstance(log, bool):
             raise ValueError(f"StalenessTracker: log must be a bool, got {log!r}")
-        self.log = log
+        # Not ``self.log``: Lightning sets every callback's ``log`` to the module's at fit start.
+        self._log = log
         self.summary: dict[int, StalenessSummary] = {}
         self.last: dict[int, dict[str, float]] = {}
         # Metric name -> its latest value since the last batch whose metrics Lightning wrote: logged
@@ -225,7 +232,7 @@ class StalenessTracker(Callback):
         # hyperparameters: every logger (W&B's config, CSV's hparams.yaml) records it.
         self._pending.clear()
         rule = getattr(trainer.strategy, "update_rule", None)
-        if self.log and callable(rule):
+        if self._log and callable(rule):
             hyperparameters = {f"partial/{key}": value for key, value in rule().items()}
             for logger in trainer.loggers:
                 logger.log_hyperparams(hyperparameters)
@@ -237,13 +244,17 @@ class StalenessTracker(Callback):
         for index, stats in self._new_rounds(trainer):
             figures = self._figures(trainer, index, stats)
             self.last[index] = figures
-            if self.log:
+            if self._log:
                 self._pending.update({metric_name(metric, index): value for metric, value in figures.items()})
         if self._pending and _compat.logs_this_step(trainer):
             for name, value in self._pending.items():
                 # This rank's own view, per step: a reduction would synchronise every step.
                 pl_module.log(name, value, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)
             self._pending.clear()
+
+    @override
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._pending.clear()  # Lightning drops an epoch's unwritten step metrics: so do we
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

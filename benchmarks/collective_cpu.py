@@ -1,0 +1,117 @@
+"""What one gloo allreduce and one ``TCPStore`` call cost in CPU, per rank, on this host.
+
+4 processes (gloo over loopback, one intra-op thread each, nothing else
+running), a plain ``dist.all_reduce`` of float32 tensors of several sizes,
+``--calls`` times each after a warm-up, then ``store.add`` and
+``store.delete_key`` on the job's store. Reported per rank: CPU seconds of the
+whole process (``time.process_time()``: gloo's and the store's threads
+included) and wall seconds, per call. On a host with fewer cores than ranks
+the CPU of a collective comes out of the ranks' compute; this says how much
+of it is per call and how much per byte.
+
+Usage::
+
+    python -m benchmarks.collective_cpu      # ~1 min; writes benchmarks/results/collective_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from benchmarks.harness import RESULTS, free_port, positive_int
+
+log = logging.getLogger("benchmarks.collective_cpu")
+WORLD = 4
+# 1,000 elements; the imbalance benchmark's MLP gradient with the fused round header (547,338 + 320).
+SIZES = (1_000, 547_658)
+
+
+def _per_call(fn: Any, calls: int) -> tuple[float, float]:
+    """(CPU, wall) seconds per call of ``fn`` over ``calls`` calls, this process."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    for i in range(calls):
+        fn(i)
+    return (time.process_time() - cpu) / calls, (time.perf_counter() - wall) / calls
+
+
+def _rank(rank: int, port: int, calls: int, queue: Any) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+    out: dict[str, Any] = {"rank": rank, "allreduce": {}}
+    for numel in SIZES:
+        tensor = torch.randn(numel)
+        for _ in range(20):
+            dist.all_reduce(tensor)
+        dist.barrier()
+        cpu, wall = _per_call(lambda _, t=tensor: dist.all_reduce(t), calls)
+        out["allreduce"][str(numel)] = {"cpu_ms": cpu * 1e3, "wall_ms": wall * 1e3}
+    own = dist.PrefixStore(f"collective_cpu/{rank}", store)
+    dist.barrier()
+    add_cpu, add_wall = _per_call(lambda i: own.add(f"k{i}", 1), calls)
+    delete_cpu, delete_wall = _per_call(lambda i: own.delete_key(f"k{i}"), calls)
+    out["store"] = {"add": {"cpu_ms": add_cpu * 1e3, "wall_ms": add_wall * 1e3},
+                    "delete_key": {"cpu_ms": delete_cpu * 1e3, "wall_ms": delete_wall * 1e3}}
+    dist.barrier()
+    dist.destroy_process_group()
+    queue.put(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=positive_int, default=200, help="timed calls per measurement")
+    parser.add_argument("--out", type=Path, default=RESULTS / "collective_cpu.json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, args.calls, queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    ranks = sorted((queue.get(timeout=600) for _ in procs), key=lambda r: r["rank"])
+    for p in procs:
+        p.join(timeout=60)
+        if p.exitcode != 0:
+            raise RuntimeError(f"a rank exited with {p.exitcode}")
+
+    def spread(values: list[float]) -> dict[str, float]:
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    summary = {
+        "allreduce": {n: {k: spread([r["allreduce"][n][k] for r in ranks]) for k in ("cpu_ms", "wall_ms")}
+                      for n in map(str, SIZES)},
+        "store": {op: {k: spread([r["store"][op][k] for r in ranks]) for k in ("cpu_ms", "wall_ms")}
+                  for op in ("add", "delete_key")},
+    }
+    report = {
+        "world": WORLD, "calls": args.calls, "cores": os.cpu_count(), "torch": torch.__version__,
+        "python": platform.python_version(), "load_average_before": os.getloadavg(),
+        "summary": summary, "ranks": ranks,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    for n, figures in summary["allreduce"].items():
+        c, w = figures["cpu_ms"], figures["wall_ms"]
+        log.info("allreduce of %s float32: CPU %.2f ms per rank [%.2f-%.2f], wall %.2f ms", n, c["median"], c["min"],
+                 c["max"], w["median"])
+    for op, figures in summary["store"].items():
+        log.info("store.%s: CPU %.3f ms per call [%.3f-%.3f], wall %.3f ms", op, figures["cpu_ms"]["median"],
+                 figures["cpu_ms"]["min"], figures["cpu_ms"]["max"], figures["wall_ms"]["median"])
+    log.info("wrote %s", args.out)
+
+
+if __name__ == "__main__":
+    main()
