@@ -25,9 +25,9 @@ Contract:
   with ``log_every_n_steps=0``: a ``ModelCheckpoint`` or ``EarlyStopping``
   monitoring one needs a written batch), and a stop requested after this
   callback's hook (``max_time``) writes its last batch without its figures; :attr:`last`
-  and :attr:`summary` always hold every round. Any Lightning logger (CSV, TensorBoard, W&B)
-  receives them (loggers
-  write rank 0's view; only ``wait_ms``, ``skipped`` and ``step_lag`` differ between ranks); no collective.
+  and :attr:`summary` always hold every round. Any Lightning logger (CSV, TensorBoard,
+  W&B) receives them (loggers write rank 0's view; only ``wait_ms``, ``skipped`` and
+  ``step_lag`` differ between ranks); no collective.
   Note that Lightning hands loggers the latest value of every step metric at
   each logged step: under manual optimization, an optimizer that did not step
   on a batch shows its previous round again (``partial/round_<i>`` tells).
