@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_partial import _compat
+from lightning_partial.callbacks.step_metrics import PendingStepMetrics
 from lightning_partial.collectives.checks import check_int
 from lightning_partial.collectives.schedules import Schedule, SwitchingSchedule
 from lightning_partial.strategies.options import ScheduleSource
@@ -91,8 +91,7 @@ class GroupRotation(Callback):
         self._log = log
         self.history: deque[GroupRecord] = deque(maxlen=history)
         self._last_round: dict[int, int] = {}
-        # Metric name -> its latest value since the last batch whose metrics Lightning wrote (logged there).
-        self._pending: dict[str, float] = {}
+        self._pending = PendingStepMetrics(rank_zero_only=False)
 
     @staticmethod
     def _model_averaging(trainer: "pl.Trainer") -> Any:
@@ -159,8 +158,5 @@ class GroupRotation(Callback):
             }
             if stats.consensus is not None:
                 metrics[f"groups/consensus{suffix}"] = float(stats.consensus)
-            self._pending.update(metrics)
-        if self._pending and _compat.logs_this_step(trainer):
-            for name, value in self._pending.items():
-                pl_module.log(name, value, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=False)
-            self._pending.clear()
+            self._pending.add(metrics)
+        self._pending.log(trainer, pl_module)

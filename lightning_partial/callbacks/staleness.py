@@ -55,7 +55,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_partial import _compat
+from lightning_partial.callbacks.step_metrics import PendingStepMetrics
 from lightning_partial.collectives import RoundStats
 
 log = logging.getLogger(__name__)
@@ -180,9 +180,7 @@ class StalenessTracker(Callback):
         self._log = log
         self.summary: dict[int, StalenessSummary] = {}
         self.last: dict[int, dict[str, float]] = {}
-        # Metric name -> its latest value since the last batch whose metrics Lightning wrote: logged
-        # there, so loggers see what logging every batch would have shown them.
-        self._pending: dict[str, float] = {}
+        self._pending = PendingStepMetrics(batch_size=1)
         self._warned = False
 
     def _round_stats(self, trainer: "pl.Trainer") -> Optional[Mapping[int, RoundStats]]:
@@ -245,12 +243,8 @@ class StalenessTracker(Callback):
             figures = self._figures(trainer, index, stats)
             self.last[index] = figures
             if self._log:
-                self._pending.update({metric_name(metric, index): value for metric, value in figures.items()})
-        if self._pending and _compat.logs_this_step(trainer):
-            for name, value in self._pending.items():
-                # This rank's own view, per step: a reduction would synchronise every step.
-                pl_module.log(name, value, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)
-            self._pending.clear()
+                self._pending.add({metric_name(metric, index): value for metric, value in figures.items()})
+        self._pending.log(trainer, pl_module)
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
