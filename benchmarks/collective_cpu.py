@@ -5,9 +5,12 @@ running), a plain ``dist.all_reduce`` of float32 tensors of several sizes,
 ``--calls`` times each after a warm-up, then ``store.add`` and
 ``store.delete_key`` on the job's store. Reported per rank: CPU seconds of the
 whole process (``time.process_time()``: gloo's and the store's threads
-included) and wall seconds, per call. On a host with fewer cores than ranks
-the CPU of a collective comes out of the ranks' compute; this says how much
-of it is per call and how much per byte.
+included) and wall seconds, per call, and the allreduce's CPU split by
+thread (the kernel's thread names: gloo's TCP event loop ``gloo_tcp_loop``,
+which makes the socket calls, gloo's workers ``pt_gloo_runloop``, the calling
+thread). On a host with fewer cores than ranks the CPU of a collective comes
+out of the ranks' compute; this says how much of it is per call and how much
+per byte, and which thread spends it.
 
 Usage::
 
@@ -30,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.harness import RESULTS, free_port, positive_int
+from benchmarks.harness import RESULTS, cpu_by_thread_name, free_port, positive_int
 
 log = logging.getLogger("benchmarks.collective_cpu")
 WORLD = 4
@@ -56,8 +59,12 @@ def _rank(rank: int, port: int, calls: int, queue: Any) -> None:
         for _ in range(20):
             dist.all_reduce(tensor)
         dist.barrier()
+        threads = cpu_by_thread_name()
         cpu, wall = _per_call(lambda _, t=tensor: dist.all_reduce(t), calls)
-        out["allreduce"][str(numel)] = {"cpu_ms": cpu * 1e3, "wall_ms": wall * 1e3}
+        by_thread = {name: (seconds - threads.get(name, 0.0)) / calls * 1e3
+                     for name, seconds in cpu_by_thread_name().items()}
+        out["allreduce"][str(numel)] = {"cpu_ms": cpu * 1e3, "wall_ms": wall * 1e3,
+                                        "cpu_ms_by_thread": {k: v for k, v in by_thread.items() if v > 0}}
     own = dist.PrefixStore(f"collective_cpu/{rank}", store)
     dist.barrier()
     add_cpu, add_wall = _per_call(lambda i: own.add(f"k{i}", 1), calls)
@@ -95,6 +102,12 @@ def main() -> None:
                       for n in map(str, SIZES)},
         "store": {op: {k: spread([r["store"][op][k] for r in ranks]) for k in ("cpu_ms", "wall_ms")}
                   for op in ("add", "delete_key")},
+        # Per thread name, over the ranks that have such a thread (a /proc tick is 10 ms: over --calls calls
+        # the per-call figure is exact to 10 ms / calls).
+        "allreduce_by_thread": {
+            n: {name: spread([r["allreduce"][n]["cpu_ms_by_thread"].get(name, 0.0) for r in ranks])
+                for name in sorted({k for r in ranks for k in r["allreduce"][n]["cpu_ms_by_thread"]})}
+            for n in map(str, SIZES)},
     }
     report = {
         "world": WORLD, "calls": args.calls, "cores": os.cpu_count(), "torch": torch.__version__,
@@ -107,6 +120,8 @@ def main() -> None:
         c, w = figures["cpu_ms"], figures["wall_ms"]
         log.info("allreduce of %s float32: CPU %.2f ms per rank [%.2f-%.2f], wall %.2f ms", n, c["median"], c["min"],
                  c["max"], w["median"])
+        log.info("  by thread (median over ranks): %s", ", ".join(
+            f"{name} {v['median']:.2f} ms" for name, v in summary["allreduce_by_thread"][n].items()))
     for op, figures in summary["store"].items():
         log.info("store.%s: CPU %.3f ms per call [%.3f-%.3f], wall %.3f ms", op, figures["cpu_ms"]["median"],
                  figures["cpu_ms"]["min"], figures["cpu_ms"]["max"], figures["wall_ms"]["median"])

@@ -26,7 +26,7 @@ import threading
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -149,6 +149,18 @@ def cpu_ticks() -> tuple[int, int] | None:
     return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
 
 
+def _threads_cpu() -> Iterator[tuple[int, str, float]]:
+    """This process's threads: (native id, the kernel's thread name, CPU seconds so far), from ``/proc/self/task``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            comm = (task / "comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        yield int(task.name), comm, (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+
 def thread_cpu() -> dict[int, tuple[str, float]]:
     """This process's threads: native id -> (role, CPU seconds so far), from ``/proc/self/task`` (Linux).
 
@@ -156,16 +168,21 @@ def thread_cpu() -> dict[int, tuple[str, float]]:
     ``other`` (threads Python does not know: gloo's, the ``TCPStore`` server's).
     """
     names = {t.native_id: t.name for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK")
     out = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended meanwhile
-            continue
-        name = names.get(int(task.name), "")
+    for tid, _, seconds in _threads_cpu():
+        name = names.get(tid, "")
         role = "main" if name == "MainThread" else "communication" if name.startswith("lightning_partial") else "other"
-        out[int(task.name)] = (role, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
+        out[tid] = (role, seconds)
+    return out
+
+
+def cpu_by_thread_name() -> dict[str, float]:
+    """CPU seconds so far per kernel thread name, summed over the threads of that name (gloo's TCP loop
+    ``gloo_tcp_loop``, its workers ``pt_gloo_runloop``, the ``TCPStore``'s ``pt_tcpstore_uv``, the main thread
+    under the process's name)."""
+    out: dict[str, float] = {}
+    for _, comm, seconds in _threads_cpu():
+        out[comm] = out.get(comm, 0.0) + seconds
     return out
 
 
@@ -276,7 +293,7 @@ def run_in_group(cmd: list[str], *, records: list[Path], timeout: float, env: di
 
 __all__ = [
     "BARE_TRAINER", "RANK_VARIABLES", "REPO", "RESULTS", "add_device_argument", "add_steal_arguments", "cpu_by_role",
-    "cpu_ticks",
+    "cpu_by_thread_name", "cpu_ticks",
     "emulated_device", "free_port", "kill_group", "launch_environment", "live_group_members", "module_command",
     "non_negative_ms", "package_version", "positive_int", "retry_while_stolen", "run_in_group", "set_threads",
     "steal_between", "thread_cpu", "thread_environment",

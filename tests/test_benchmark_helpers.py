@@ -79,7 +79,8 @@ def test_the_imbalance_workers_get_every_option_the_parent_has(tmp_path):
     parent = runner.parse_args(["--steps", "7", "--batch-size", "64", "--seed", "2", "--width", "32", "--depth", "2",
                                 "--lr", "0.125", "--momentum", "0.5", "--optimizer", "adamw", "--schedule", "constant",
                                 "--localsgd-warmup", "3", "--averaging-period", "2", "--digest-steps", "5",
-                                "--threads", "2", "--device-ms-per-sample", "0.25", "--workdir", str(tmp_path)])
+                                "--threads", "2", "--device-ms-per-sample", "0.25", "--step-pieces",
+                                "--workdir", str(tmp_path)])
     command = runner.worker_command("eager_sgd_imbalanced", "t.0", parent, 12.5)
     assert command[1:3] == ["-m", "benchmarks.imbalance"]
     worker = runner.parse_args(command[3:])
@@ -125,6 +126,25 @@ def test_the_imbalance_benchmark_gives_abs_sgd_the_others_samples_in_whole_epoch
     assert _replica_check(CONFIGS["abs_sgd_imbalanced"], ranks, runner.parse_args([]))["ok"]
     ranks[3]["final_digest"] = 5.5
     assert not _replica_check(CONFIGS["abs_sgd_imbalanced"], ranks, runner.parse_args([]))["ok"]
+
+
+def test_the_wagma_replica_check_follows_the_configurations_global_period():
+    from benchmarks.imbalance import runner
+    from benchmarks.imbalance.configs import CONFIGS
+    from benchmarks.imbalance.report import _replica_check
+
+    def ranks(tau: int) -> list[dict]:  # identical after every tau-th step, apart otherwise
+        return [{"digests": [0.0 if (i + 1) % tau == 0 else float(r + i) for i in range(20)], "final_digest": 1.0}
+                for r in range(4)]
+
+    args = runner.parse_args([])
+    assert _replica_check(CONFIGS["wagma_sgd_global5_imbalanced"], ranks(5), args)["ok"]
+    assert not _replica_check(CONFIGS["wagma_sgd_global5_imbalanced"], ranks(10), args)["ok"]
+    assert _replica_check(CONFIGS["wagma_sgd_global10_imbalanced"], ranks(10), args)["ok"]
+    from lightning_partial import WAGMAStrategy
+
+    assert WAGMAStrategy().global_every == report.WAGMA_GLOBAL_EVERY  # the default configuration's expectation
+    assert _replica_check(CONFIGS["wagma_sgd_imbalanced"], ranks(report.WAGMA_GLOBAL_EVERY), args)["ok"]
 
 
 def test_abs_sgd_runs_at_the_strategy_defaults_unless_told_and_bad_sample_options_fail():
@@ -183,6 +203,17 @@ def test_cpu_by_role_sums_each_role_between_snapshots_and_counts_new_threads_who
     assert harness.cpu_by_role(first, last) == {"main": 2.0, "communication": 0.25, "other": 0.25}
     here = harness.thread_cpu()
     assert any(role == "main" for role, _ in here.values()) and all(s >= 0 for _, s in here.values())
+    by_name = harness.cpu_by_thread_name()  # the same threads' CPU, summed per kernel thread name
+    assert by_name and sum(by_name.values()) == pytest.approx(sum(s for _, s in here.values()), abs=0.05)
+
+
+def test_the_step_pieces_are_per_step_medians_over_the_ranks_and_absent_unless_measured():
+    ranks = [{"steps": 10, "step_pieces": {"flatten": {"calls": 10, "cpu_s": 0.005}}},
+             {"steps": 20, "step_pieces": {"flatten": {"calls": 20, "cpu_s": 0.03}, "store": {"calls": 5, "cpu_s": 0.002}}},
+             {"steps": 10, "step_pieces": {"flatten": {"calls": 10, "cpu_s": 0.007}}}]
+    assert report.step_pieces(ranks) == pytest.approx({"flatten": 0.7, "store": 0.0})  # ms per step
+    assert report.step_pieces([{"steps": 1, "step_pieces": None}]) is None
+    assert report.step_pieces([{"steps": 1}]) is None  # a record from before the option
 
 
 def test_the_imbalance_cpu_parts_add_up_to_the_process_cpu_per_trained_sample():

@@ -82,7 +82,7 @@ def test_default_correction_and_order():
         assert (strategy.normalize, strategy.late, strategy.stale, strategy.order) == (
             "group", "damp", "skip", "step_then_average"
         )
-    assert WAGMAStrategy().global_every == 10 and DSSyncStrategy().partial_config.max_staleness == 1
+    assert WAGMAStrategy().global_every == 5 and DSSyncStrategy().partial_config.max_staleness == 1
 
 
 def test_default_schedules():
@@ -120,7 +120,7 @@ def test_fit_under_imbalance(tmp_path, strategy, schedule):
             assert torch.equal(value, other[key]), key
     # SGD: adaptive_scaling="auto" leaves the local steps alone (averaged SGD steps already are DDP's).
     assert all(r["update_rule"]["adaptive_scaling"] == "none" for r in records)
-    global_every = 10 if strategy == "wagma_sgd" else None
+    global_every = 5 if strategy == "wagma_sgd" else None  # WAGMAStrategy's default
     finish = 30 - math.ceil(0.05 * 30)
     by_round: dict[int, dict[int, tuple[int, ...]]] = {}
     for rank, record in enumerate(records):
@@ -204,7 +204,7 @@ def test_resume_from_a_mid_run_checkpoint_continues_the_rounds(tmp_path):
         assert [g["round_index"] for g in record["groups"]] == list(range(6, 12))
         for g in record["groups"]:
             r = g["round_index"]
-            want = (0, 1, 2, 3) if r >= 9 else schedule.group_of(r, rank)  # the finish (and global_every=10's 9)
+            want = (0, 1, 2, 3) if r >= 9 else schedule.group_of(r, rank)  # the finish (and global_every=5's 9)
             assert tuple(g["members"]) == want, (rank, g)
     assert_identical(second)
 

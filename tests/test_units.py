@@ -114,15 +114,33 @@ def test_weight_prediction_predicts_restores_and_keeps_the_update_exactly():
     params[1].add_(0.7)  # "the optimizer step"
     prediction.finish(0, params, before)
     update = prediction.update(0)
-    assert update is before
     assert torch.equal(update[0], torch.tensor([1.0, 2.0]) - 0.3 - torch.tensor([1.0, 2.0]))
+    assert torch.equal(update[1], torch.tensor([0.1]) + 0.7 - torch.tensor([0.1]))
     w = [p.clone() for p in params]
     second = prediction.begin(0, params)
     with prediction.predicted(0, params, second):
         assert all(torch.equal(p, x + u) for p, x, u in zip(params, w, update))
     assert all(torch.equal(p, x) for p, x in zip(params, w))  # restored exactly, not by subtraction
     prediction.finish(0, params, second)
-    assert prediction.begin(0, params) is update  # the old update's buffers are reused
+    assert prediction.begin(0, params) is before  # the first copy became the update, now the next copy
+
+
+def test_weight_prediction_predicts_w_plus_u_bit_for_bit_from_the_negated_update():
+    """The update is kept as ``w_before - w_after`` (one pass); the predicted weights are still exactly
+    ``w + (w_after - w_before)`` as the two-pass form computed them, on values whose rounding differs."""
+    generator = torch.Generator().manual_seed(0)
+    w_before = [torch.randn(1000, generator=generator) * 10.0 ** torch.randint(-8, 8, (1000,), generator=generator)]
+    prediction = WeightPrediction()
+    before = prediction.begin(0, w_before)
+    params = [w_before[0] - torch.randn(1000, generator=generator) * 1e-3]  # "the step"
+    prediction.finish(0, params, before)
+    u = params[0] - w_before[0]  # the two-pass form: (-w_before) + w_after
+    bits = lambda t: t.view(torch.int32)  # noqa: E731 - torch.equal on floats would accept -0.0 for 0.0
+    assert torch.equal(bits(prediction.update(0)[0]), bits(u))
+    w = params[0].clone()
+    with prediction.predicted(0, params, prediction.begin(0, params)):
+        assert torch.equal(bits(params[0]), bits(w + u))
+    assert torch.equal(bits(params[0]), bits(w))
 
 
 def test_weight_prediction_survives_a_checkpoint_but_not_another_model():

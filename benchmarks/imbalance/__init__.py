@@ -17,7 +17,7 @@ configuration                      strategy                                     
 ``eager_sgd_unbounded_imbalanced`` ``EagerSGDStrategy(max_staleness=None)``                    yes
 ``eager_sgd_contrib_imbalanced``   ``EagerSGDStrategy(normalize="contributors")``              yes
 ``eager_sgd_s2_imbalanced``        ``EagerSGDStrategy(max_staleness=2)``                       yes
-``wagma_sgd_imbalanced``           ``strategy="wagma_sgd"`` (S=2, tau=10)                      yes
+``wagma_sgd_imbalanced``           ``strategy="wagma_sgd"`` (S=2, tau=5)                       yes
 ``ds_sync_imbalanced``             ``strategy="ds_sync"`` (G=2, max_staleness=1)               yes
 ``ds_sync_s4_imbalanced``          ``DSSyncStrategy(max_staleness=4)``                         yes
 ``no_comm_imbalanced``             every rank alone (``baselines.NoCommStrategy``): the bound  yes
@@ -39,7 +39,9 @@ for 3 of the 4 ranks); weight prediction off (the strategy's default is on):
 ``eager_sgd_s3_imbalanced``, ``eager_sgd_s4_imbalanced`` (``max_staleness=3``, ``4``) and
 ``eager_sgd_unbounded_rule_none_imbalanced``; ``wagma_sgd_no_scaling_imbalanced`` and
 ``ds_sync_no_scaling_imbalanced`` (``adaptive_scaling="none"``: meaningful with
-``--optimizer adamw``, where the default rescales the local Adam steps); overlapped rounds
+``--optimizer adamw``, where the default rescales the local Adam steps);
+``wagma_sgd_global5_imbalanced`` and ``wagma_sgd_global10_imbalanced`` (``global_every``
+5, the default, and 10); overlapped rounds
 (``overlap=True``, ``docs/staleness.md#overlapped-rounds``): ``eager_sgd_overlap_imbalanced``
 (re-timed), ``eager_sgd_overlap_inverse_imbalanced`` (rule ``"inverse"``: not re-timed),
 ``eager_sgd_overlap_unbounded_imbalanced``, ``eager_sgd_overlap_s4_imbalanced``,
@@ -116,7 +118,7 @@ rank 0's final model on 8,192 training samples) and held-out accuracy of rank
   optimizer steps, compared across ranks: the replicas must be identical after
   every step under DDP and eager-SGD; under post-local SGD after the warm-up
   steps and right after every averaging step only; under WAGMA-SGD after every
-  10th step (its global average); under DS-Sync (no periodic global average)
+  ``global_every``-th step (its global average; 5 by default); under DS-Sync (no periodic global average)
   and the bound never;
 * the calls into ``torch.distributed`` collectives on the default group, per
   step (Python-level: Lightning's per-batch broadcast, DDP comm hooks, the

@@ -19,6 +19,10 @@ from benchmarks.imbalance.task import CLASSES, IN_DIM
 LAST_LOSSES = 20  # training loss reported as the mean of rank 0's last batches
 
 
+#: WAGMAStrategy's default ``global_every`` (the parent does not import lightning_partial; a test checks it).
+WAGMA_GLOBAL_EVERY = 5
+
+
 def _replica_check(config: Config, ranks: list[dict], args: argparse.Namespace) -> dict[str, Any]:
     """After which of the first optimizer steps all replicas were bit-identical, against what the strategy implies."""
     n = min(len(r["digests"]) for r in ranks)
@@ -31,8 +35,9 @@ def _replica_check(config: Config, ranks: list[dict], args: argparse.Namespace) 
         expected = [False] * n
         rule = "never identical (no communication)"
     elif config.strategy == "wagma_sgd":
-        expected = [(i + 1) % 10 == 0 for i in range(n)]
-        rule = "identical after every 10th step (global average, tau=10); within groups otherwise"
+        tau = dict(config.options).get("global_every", WAGMA_GLOBAL_EVERY)
+        expected = [(i + 1) % tau == 0 for i in range(n)]
+        rule = f"identical after every {tau}th step (global average, tau={tau}); within groups otherwise"
     elif config.strategy == "ds_sync":
         expected = [False] * n
         rule = "identical only after the final average (no periodic global average)"
@@ -99,6 +104,7 @@ def summarise_run(config: Config, ranks: list[dict], args: argparse.Namespace) -
         # ranks, throughput is bounded by cores / this.
         "cpu_us_per_sample": sum(r["cpu_s"] for r in ranks) / sum(r["samples"] for r in ranks) * 1e6,
         **cpu_parts(ranks),
+        "step_pieces_ms_per_step": step_pieces(ranks),
         # Share of the machine's CPU time the hypervisor stole during rank 0's training interval.
         "steal_fraction": r0["steal_fraction"] if r0["steal_fraction"] is not None else float("nan"),
         "train_loss_last_rank0": statistics.fmean(r0["losses"][-LAST_LOSSES:]),
@@ -145,6 +151,16 @@ def cpu_parts(ranks: list[dict[str, Any]]) -> dict[str, float]:
         "cpu_us_communication": communication / samples * 1e6,
         "cpu_us_other": other / samples * 1e6,
     }
+
+
+def step_pieces(ranks: list[dict[str, Any]]) -> dict[str, float] | None:
+    """``--step-pieces``: the training thread's CPU milliseconds per step in each piece of the strategy's step,
+    the median over the ranks (``None`` when not measured)."""
+    if any(not r.get("step_pieces") for r in ranks):
+        return None
+    names = sorted({name for r in ranks for name in r["step_pieces"]})
+    return {name: statistics.median(r["step_pieces"].get(name, {"cpu_s": 0.0})["cpu_s"] / r["steps"] * 1e3
+                                    for r in ranks) for name in names}
 
 
 # Figures summarised over repeats (median, min, max).
@@ -262,6 +278,7 @@ def print_table(results: dict[str, dict], repeats: int) -> None:
             med = results[name]["median"]
             print(f"{name:<31}" + "".join(f"{_fmt(med[k], '.1f'):>{w}}" for k, w in zip(CPU_PARTS, (9, 7, 7, 7)))
                   + f"{med['cpu_us_per_sample']:>8.1f}")
+    _print_step_pieces(results)
     goals = goal_figures(results)
     if goals:
         print()
@@ -269,6 +286,20 @@ def print_table(results: dict[str, dict], repeats: int) -> None:
         for g in goals:
             if g["value"] is not None:  # a configuration left out with --only
                 print(f"{g['figure']:<{width}}  {_fmt(g['value'], '.3f'):>7}   goal {g['goal']}")
+
+
+def _print_step_pieces(results: dict[str, dict]) -> None:
+    """``--step-pieces``: per configuration, the training thread's CPU ms per step in each piece (first run)."""
+    measured = {name: entry["runs"][0]["step_pieces_ms_per_step"] for name, entry in results.items()
+                if entry["runs"] and entry["runs"][0].get("step_pieces_ms_per_step")}
+    if not measured:
+        return
+    names = sorted({piece for pieces in measured.values() for piece in pieces})
+    print()
+    print(f"{'CPU ms per step, training thread':<31}" + "".join(f"{n:>{max(len(n), 6) + 2}}" for n in names))
+    for config, pieces in measured.items():
+        print(f"{config:<31}" + "".join(f"{pieces.get(n, 0.0):>{max(len(n), 6) + 2}.3f}" for n in names))
+    print("(inclusive: submit holds flatten and store; medians over the ranks, the first run of each configuration)")
 
 
 def plot(results: dict[str, dict], path: Path, delay_ms: float, threads: int = 1) -> None:

@@ -136,6 +136,7 @@ def worker_command(name: str, tag: str, args: argparse.Namespace, delay_ms: floa
         "--localsgd-warmup", str(args.localsgd_warmup), "--averaging-period", str(args.averaging_period),
         "--digest-steps", str(args.digest_steps), "--threads", str(args.threads),
         "--device-ms-per-sample", repr(args.device_ms_per_sample), "--straggle-at", args.straggle_at,
+        *(["--step-pieces"] if args.step_pieces else []),
     )
 
 
@@ -259,6 +260,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             "imbalance": {"stragglers_per_step": 1, "delay_ms": delay_ms, "seed": args.seed},
             "device_ms_per_sample": args.device_ms_per_sample,
             "straggle_at": args.straggle_at,
+            "step_pieces": args.step_pieces,
         },
         "calibration": calibration,
         "notes": [
@@ -330,6 +332,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--digest-steps", type=int, default=24, help="steps whose replicas are compared")
     parser.add_argument("--workdir", type=Path, default=None, help="worker logs and rank records (default: a temp dir)")
     parser.add_argument("--keep-workdir", action="store_true", help="keep the temporary worker directory")
+    parser.add_argument("--step-pieces", action="store_true",
+                        help="measure the training thread's CPU in each piece of the strategy's step (a little overhead)")
     # Worker mode (internal): one 4-process fit; Lightning re-runs this command line for ranks 1-3.
     parser.add_argument("--run", choices=list(CONFIGS), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tag", default="run", help=argparse.SUPPRESS)

@@ -13,6 +13,7 @@ import inspect
 import json
 import logging
 import math
+import threading
 import time
 from typing import Any
 
@@ -84,6 +85,81 @@ class CollectiveCounter:
                 if group is None or group is dist.group.WORLD:
                     self.calls[name] = self.calls.get(name, 0) + 1
             return fn(*args, **kwargs)
+
+        return wrapper
+
+
+class StepPieces:
+    """CPU seconds the training thread spends in each piece of the strategy's per-step work (``--step-pieces``).
+
+    Wraps methods of the engine and the strategies at class level for the whole fit; a call counts only on the
+    main thread (the engine's communication thread is measured by role, :func:`benchmarks.harness.cpu_by_role`).
+    Figures are inclusive: ``submit`` holds ``flatten`` and ``store``. Off by default, since every
+    wrapped call adds two clock reads.
+    """
+
+    # (piece, module, class, method); several methods may feed one piece.
+    METHODS: tuple[tuple[str, str, str, str], ...] = (
+        ("flatten", "lightning_partial.collectives.layout", "TensorLayout", "flatten"),
+        ("store", "lightning_partial.collectives.control", "ControlPlane", "arrive"),
+        ("store", "lightning_partial.collectives.control", "ControlPlane", "meet_condition"),
+        ("store", "lightning_partial.collectives.control", "ControlPlane", "wake"),
+        ("submit", "lightning_partial.collectives.engine", "PartialAllreduce", "_submit"),
+        ("collect", "lightning_partial.collectives.engine", "PartialAllreduce", "_collect"),
+        ("set_gradients", "lightning_partial.strategies.eager_sgd", "EagerSGDStrategy", "_set_gradients"),
+        ("prediction_copy", "lightning_partial.strategies.prediction", "WeightPrediction", "begin"),
+        ("prediction_update", "lightning_partial.strategies.prediction", "WeightPrediction", "finish"),
+    )
+
+    def __init__(self) -> None:
+        self.pieces: dict[str, dict[str, float]] = {}
+
+    def _add(self, piece: str, seconds: float) -> None:
+        entry = self.pieces.setdefault(piece, {"calls": 0, "cpu_s": 0.0})
+        entry["calls"] += 1
+        entry["cpu_s"] += seconds
+
+    def install(self) -> None:
+        import importlib
+
+        for piece, module, owner, method in self.METHODS:
+            cls = getattr(importlib.import_module(module), owner)
+            setattr(cls, method, self._timed(piece, getattr(cls, method)))
+        # Weight prediction's shift to the predicted weights and the restore, around the closure: the
+        # context manager's enter and exit (the closure inside is not counted).
+        prediction = importlib.import_module("lightning_partial.strategies.prediction").WeightPrediction
+        predicted, pieces = prediction.predicted, self
+
+        class _Timed:
+            def __init__(self, cm: Any) -> None:
+                self.cm = cm
+
+            def __enter__(self) -> Any:
+                start = time.thread_time()
+                try:
+                    return self.cm.__enter__()
+                finally:
+                    pieces._add("prediction_shift", time.thread_time() - start)
+
+            def __exit__(self, *exc: Any) -> Any:
+                start = time.thread_time()
+                try:
+                    return self.cm.__exit__(*exc)
+                finally:
+                    pieces._add("prediction_restore", time.thread_time() - start)
+
+        prediction.predicted = functools.wraps(predicted)(lambda *a, **k: _Timed(predicted(*a, **k)))
+
+    def _timed(self, piece: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                return fn(*args, **kwargs)
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._add(piece, time.thread_time() - start)
 
         return wrapper
 
@@ -302,6 +378,9 @@ def run_worker(args: argparse.Namespace) -> int:
     model = TeacherClassifier(args.width, args.depth, args.lr, args.momentum, args.schedule, args.steps, args.optimizer)
     counter = CollectiveCounter()
     counter.install()
+    pieces = StepPieces() if args.step_pieces else None
+    if pieces is not None:
+        pieces.install()
     recorder = StepRecorder(args.digest_steps, counter)
     callbacks: list[Any] = [recorder]
     if args.device_ms_per_sample > 0:
@@ -353,6 +432,7 @@ def run_worker(args: argparse.Namespace) -> int:
         "cpu_s": recorder.cpu_end - recorder.cpu_start,  # type: ignore[operator]
         "thread_cpu_s": cpu_by_role(recorder.threads_start, recorder.threads_end),
         "compute_cpu_s": model.compute_cpu_s,
+        "step_pieces": pieces.pieces if pieces is not None else None,
         "steal_fraction": steal_between(recorder.ticks_start, recorder.ticks_end),
         "startup_s": recorder.t_start - t_process,
         "t_start": recorder.t_start,  # time.perf_counter: CLOCK_MONOTONIC, comparable across processes

@@ -15,7 +15,13 @@ the last update, and the weights before a step, which restore the weights
 exactly after the forward and backward passes (``(w + u) - u`` is not ``w`` in
 floating point, and replicas must stay bit-identical) and then become the
 step's update in place. The update a step leaves is ``w_after - w_before``,
-whatever produced it (the optimizer, clipping, spike compensation).
+whatever produced it (the optimizer, clipping, spike compensation). It is
+kept negated, ``w_before - w_after``: one pass over the parameters instead of
+two (a negation then an addition), and ``w - (w_before - w_after)`` is
+``w + u`` bit for bit (IEEE subtraction is the addition of the negation,
+and rounding is symmetric), but for the sign of a weight that is zero where
+its update is zero. :meth:`WeightPrediction.update` and
+checkpoints give ``u`` itself.
 """
 
 from __future__ import annotations
@@ -36,6 +42,13 @@ LAST_UPDATE_KEY = "lightning_partial_last_update"
 
 def _detached(params: Sequence[Tensor]) -> list[Tensor]:
     return [p.detach() for p in params]
+
+
+def _flip(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``0 - t`` for each tensor, as new tensors: ``u`` from the kept ``w_before - w_after`` and back. Every zero
+    comes out ``+0.0``, the sign ``w_after - w_before`` gives a zero update but where ``w_after`` is ``-0.0`` and
+    ``w_before`` ``+0.0`` (a negation would make every zero ``-0.0``)."""
+    return [torch.rsub(t.detach(), 0.0) for t in tensors]
 
 
 def copy_weights(params: Sequence[Tensor], into: Optional[list[Tensor]]) -> list[Tensor]:
@@ -65,7 +78,7 @@ class WeightPrediction(CheckpointedState):
     checkpoint_key = LAST_UPDATE_KEY
 
     def __init__(self) -> None:
-        self._updates: dict[int, list[Tensor]] = {}
+        self._updates: dict[int, list[Tensor]] = {}  # negated: w_before - w_after
         self._spare: dict[int, list[Tensor]] = {}
         self._resumed: Optional[dict[int, list[Tensor]]] = None
 
@@ -80,12 +93,12 @@ class WeightPrediction(CheckpointedState):
 
         On exit (also on an exception) they are ``before`` again, exactly.
         """
-        update = self._updates.get(index)
-        if update is None:
+        negated = self._updates.get(index)
+        if negated is None:
             yield
             return
         with torch.no_grad():
-            torch._foreach_add_(_detached(params), update)
+            torch._foreach_sub_(_detached(params), negated)  # w + u, bit for bit
         try:
             yield
         finally:
@@ -93,10 +106,10 @@ class WeightPrediction(CheckpointedState):
                 torch._foreach_copy_(_detached(params), before)
 
     def finish(self, index: int, params: Sequence[Tensor], before: list[Tensor]) -> None:
-        """After the step: ``before`` becomes the step's update ``w_after - w_before`` (exactly), kept for the next."""
+        """After the step: ``before`` becomes the step's update ``w_after - w_before`` (exactly; kept negated, in
+        place, for the next step)."""
         with torch.no_grad():
-            torch._foreach_neg_(before)
-            torch._foreach_add_(before, _detached(params))
+            torch._foreach_sub_(before, _detached(params))
         previous = self._updates.get(index)
         self._updates[index] = before
         if previous is not None:
@@ -107,8 +120,10 @@ class WeightPrediction(CheckpointedState):
         self._spare[index] = buffers
 
     def update(self, index: int) -> Optional[list[Tensor]]:
-        """The last update of optimizer ``index`` (``None`` before its first step)."""
-        return self._updates.get(index)
+        """The last update ``w_after - w_before`` of optimizer ``index`` (new tensors; ``None`` before its first
+        step)."""
+        negated = self._updates.get(index)
+        return None if negated is None else _flip(negated)
 
     # -------------------------------------------------- fit and checkpoints
     def reset(self, params: dict[int, list[torch.nn.Parameter]]) -> None:
@@ -118,11 +133,12 @@ class WeightPrediction(CheckpointedState):
         for index, update in (resumed or {}).items():
             own = params.get(index)
             if own is not None and [u.shape for u in update] == [p.shape for p in own]:
-                self._updates[index] = [u.to(device=p.device, dtype=p.dtype) for u, p in zip(update, own)]
+                self._updates[index] = _flip([u.to(device=p.device, dtype=p.dtype) for u, p in zip(update, own)])
 
     def save(self, checkpoint: dict[str, Any]) -> None:
         """Adds the last updates to ``checkpoint`` (host copies), if there are any."""
         if self._updates:
             checkpoint[LAST_UPDATE_KEY] = {
-                i: [u.detach().cpu().clone() for u in update] for i, update in self._updates.items()
+                # To the host first: no second model-sized block on the device while saving.
+                i: _flip([n.detach().cpu() for n in negated]) for i, negated in self._updates.items()
             }
