@@ -128,23 +128,26 @@ def test_the_imbalance_benchmark_gives_abs_sgd_the_others_samples_in_whole_epoch
     assert not _replica_check(CONFIGS["abs_sgd_imbalanced"], ranks, runner.parse_args([]))["ok"]
 
 
-def test_the_wagma_replica_check_follows_the_configurations_global_period():
+def test_the_wagma_replica_check_follows_the_global_period_the_fit_ran():
     from benchmarks.imbalance import runner
     from benchmarks.imbalance.configs import CONFIGS
     from benchmarks.imbalance.report import _replica_check
 
-    def ranks(tau: int) -> list[dict]:  # identical after every tau-th step, apart otherwise
-        return [{"digests": [0.0 if (i + 1) % tau == 0 else float(r + i) for i in range(20)], "final_digest": 1.0}
-                for r in range(4)]
+    def ranks(tau: int, recorded: int | None) -> list[dict]:  # identical after every tau-th step, apart otherwise
+        records = [{"digests": [0.0 if (i + 1) % tau == 0 else float(r + i) for i in range(20)], "final_digest": 1.0}
+                   for r in range(4)]
+        for record in records:
+            if recorded is not None:
+                record["global_every"] = recorded  # what the worker keeps
+        return records
 
     args = runner.parse_args([])
-    assert _replica_check(CONFIGS["wagma_sgd_global5_imbalanced"], ranks(5), args)["ok"]
-    assert not _replica_check(CONFIGS["wagma_sgd_global5_imbalanced"], ranks(10), args)["ok"]
-    assert _replica_check(CONFIGS["wagma_sgd_global10_imbalanced"], ranks(10), args)["ok"]
-    from lightning_partial import WAGMAStrategy
-
-    assert WAGMAStrategy().global_every == report.WAGMA_GLOBAL_EVERY  # the default configuration's expectation
-    assert _replica_check(CONFIGS["wagma_sgd_imbalanced"], ranks(report.WAGMA_GLOBAL_EVERY), args)["ok"]
+    wagma = CONFIGS["wagma_sgd_imbalanced"]
+    assert _replica_check(wagma, ranks(5, 5), args)["ok"]
+    assert not _replica_check(wagma, ranks(10, 5), args)["ok"]
+    assert _replica_check(CONFIGS["wagma_sgd_global10_imbalanced"], ranks(10, 10), args)["ok"]
+    assert not _replica_check(CONFIGS["wagma_sgd_global10_imbalanced"], ranks(5, 10), args)["ok"]
+    assert _replica_check(wagma, ranks(10, None), args)["ok"]  # a record from before the worker kept the period
 
 
 def test_abs_sgd_runs_at_the_strategy_defaults_unless_told_and_bad_sample_options_fail():

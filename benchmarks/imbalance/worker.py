@@ -450,6 +450,8 @@ def run_worker(args: argparse.Namespace) -> int:
         "train_eval_loss": train_loss,
         "train_eval_acc": train_acc,
         "strategy_class": type(trainer.strategy).__name__,
+        # The model-averaging strategies' period of the global average, as the fit ran (the replica check's).
+        "global_every": getattr(trainer.strategy, "global_every", None),
         "torch_threads": torch.get_num_threads(),  # as the fit ran: --threads
         "default_group_collectives": dict(counter.calls),
         "collectives_at_batch_end": recorder.collectives_at_batch_end,
