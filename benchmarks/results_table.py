@@ -90,11 +90,6 @@ MAIN_JOB_ADAMW_FILES: tuple[str, ...] = (
 )
 
 
-#: Main-job rows whose stored runs differ from today's defaults, labelled by what differs: both main jobs' files ran
-#: ``wagma_sgd`` with a global average every 10 rounds (the default is 5: docs/staleness.md).
-MAIN_JOB_LABELS: dict[str, str] = {"wagma_sgd": "`wagma_sgd` (`global_every=10`)"}
-
-
 def main_job_table(jobs: Sequence[Json], files: str = "main_job*.json") -> list[str]:
     """The main job over its seeds: samples/s x DDP and accuracy vs DDP's, mean and range, per strategy.
 
@@ -112,7 +107,7 @@ def main_job_table(jobs: Sequence[Json], files: str = "main_job*.json") -> list[
         points = [100.0 * (r[name]["summary"]["val_acc"] - r["ddp"]["summary"]["val_acc"]) for r in runs]
         identical = all(r[name]["summary"]["replicas_identical"] for r in runs)
         lines.append(
-            f"| {MAIN_JOB_LABELS.get(name, f'`{name}`')} | {sum(speed) / len(speed):.2f} [{min(speed):.2f}-{max(speed):.2f}]"
+            f"| `{name}` | {sum(speed) / len(speed):.2f} [{min(speed):.2f}-{max(speed):.2f}]"
             f" | {signed(sum(points) / len(points))}"
             f" | {', '.join(signed(p) for p in points)} | {'yes' if identical else 'NO'} |"
         )
