@@ -13,7 +13,7 @@ Three blocks of README.md are generated, each between a pair of markers:
   conf/main_job_transformer.yaml``), from ``main_job_transformer*.json``, the same columns.
 * ``<!-- results:begin -->`` ... ``<!-- results:end -->``: the two benchmarks
   that compare the strategies with DDP and with the no-communication bound:
-  ``imbalance.json`` (``benchmarks/imbalance/``: eager_sgd, wagma_sgd,
+  ``IMBALANCE_FILE`` (``benchmarks/imbalance/``: eager_sgd, wagma_sgd,
   ds_sync, post-local SGD; one straggler per step) and ``HETEROGENEITY_FILE``
   (``benchmarks/heterogeneity.py``: abs_sgd; persistent per-rank speeds; the run
   at today's defaults for that case: ``AdaptiveBatchSize`` in the fit, so
@@ -40,13 +40,14 @@ MAIN_JOB_ROWS: tuple[str, ...] = (
     "ddp", "eager_sgd", "eager_sgd_majority", "eager_sgd_backup", "wagma_sgd", "ds_sync", "abs_sgd",
 )
 
-#: Rows taken from imbalance.json: (configuration key, how the table names it).
+#: Rows taken from IMBALANCE_FILE: (configuration key, how the table names it). ``wagma_sgd``'s global period is
+#: read from the run's own label (``wagma_period``), so a file run at another default names it.
 IMBALANCE_ROWS: tuple[tuple[str, str], ...] = (
     ("ddp_imbalanced", "`ddp`"),
     ("post_local_sgd_imbalanced", "post-local SGD (period 4)"),
     ("eager_sgd_imbalanced", "`eager_sgd` (solo, `max_staleness=1`)"),
     ("eager_sgd_majority_imbalanced", "`eager_sgd_majority`"),
-    ("wagma_sgd_imbalanced", "`wagma_sgd` (S=2, tau=10)"),
+    ("wagma_sgd_imbalanced", "`wagma_sgd` (S=2, tau={tau})"),
     ("ds_sync_imbalanced", "`ds_sync` (G=2, `max_staleness=1`)"),
     ("no_comm_imbalanced", "no communication (the bound)"),
 )
@@ -58,6 +59,8 @@ Json = dict[str, Any]
 #: (this module uses only the standard library); tests/test_benchmark_helpers.py checks them against the strategy.
 ABS_SGD_DEFAULTS: dict[str, Any] = {"final_sync": 0.05, "step_boundary": "nearest"}
 ABS_SGD_BEFORE: dict[str, Any] = {"final_sync": 0.0, "step_boundary": "at_least"}
+#: The imbalance run in README.md's table: the table's rows only, at the current defaults.
+IMBALANCE_FILE = "imbalance_defaults.json"
 #: The heterogeneity run in README.md's table.
 HETEROGENEITY_FILE = "heterogeneity_adaptive_delay0_split.json"
 
@@ -134,6 +137,8 @@ def results_table(imbalance: Json, heterogeneity: Json) -> list[str]:
         if key not in configurations:
             continue
         ratios = configurations[key]["ratios"]
+        if "{tau}" in label:
+            label = label.format(tau=wagma_period(configurations[key]))
         lines.append(
             f"| imbalance | {label} | {ratios['throughput_vs_ddp']:.2f} | {ratio(ratios['throughput_vs_bound'])}"
             f" | {signed(ratios['test_acc_minus_ddp_points']) if key != 'ddp_imbalanced' else 'reference'} |"
@@ -154,10 +159,12 @@ def results_table(imbalance: Json, heterogeneity: Json) -> list[str]:
     environment = imbalance["environment"]
     lines += [
         "",
-        f"*imbalance* (`benchmarks/results/imbalance.json`): {environment['ranks']} CPU ranks on"
+        f"*imbalance* (`benchmarks/results/{IMBALANCE_FILE}`): {environment['ranks']} CPU ranks on"
         f" {environment['cpus']} cores, {environment['model']}, {settings['steps']} steps of"
         f" {settings['batch_size']} per rank, one straggler per step sleeping"
-        f" {settings['imbalance']['delay_ms']:.1f} ms.",
+        f" {settings['imbalance']['delay_ms']:.1f} ms, {optimizer_label(settings)}"
+        f" ({settings.get('schedule', 'cosine')} schedule), {settings['repeats']} repeat"
+        f"{'s, medians' if settings['repeats'] > 1 else ''}.",
         f"*heterogeneity* (`benchmarks/results/{HETEROGENEITY_FILE}`): rank speeds"
         f" {', '.join(f'{s:g}' for s in heterogeneity['speed'])}, the `--model {heterogeneity['model']}` task,"
         f" {optimizer_label(heterogeneity)}, medians of {heterogeneity['repeats']} repeats; "
@@ -168,6 +175,22 @@ def results_table(imbalance: Json, heterogeneity: Json) -> list[str]:
            heterogeneity.get("abs_epochs", 1) != 1 else "; accuracy after the same samples."),
     ]
     return lines
+
+
+def wagma_period(entry: Json) -> str:
+    """The global period a ``wagma_sgd`` imbalance run used, else ``?``.
+
+    Read from the first run's replica check, whose rule states the period the workers recorded (``tau=N``), and
+    failing that from the configuration's label.
+    """
+    runs = entry.get("runs") or [{}]
+    for text in (runs[0].get("replica_check", {}).get("rule", ""), entry.get("label", "")):
+        start = text.find("tau=")
+        if start >= 0:
+            digits = "".join(c for c in text[start + 4:start + 8] if c.isdigit())
+            if digits:
+                return digits
+    return "?"
 
 
 def abs_sgd_label(heterogeneity: Json) -> str:
@@ -197,7 +220,7 @@ def abs_sgd_label(heterogeneity: Json) -> str:
 
 
 def optimizer_label(heterogeneity: Json) -> str:
-    """The heterogeneity run's optimizer, as the configurations shared it."""
+    """A run's optimizer, as its configurations shared it (a heterogeneity file, or an imbalance run's settings)."""
     if heterogeneity.get("optimizer", "sgd") == "adamw":
         return f"AdamW lr {heterogeneity['lr']:g}"
     momentum = heterogeneity.get("momentum", 0.0)
@@ -220,7 +243,7 @@ def render(readme: str) -> str:
     readme = replace_block(readme, "main_job", main_job_table([load(name) for name in MAIN_JOB_FILES]))
     readme = replace_block(readme, "main_job_adamw", main_job_table(
         [load(name) for name in MAIN_JOB_ADAMW_FILES], files="main_job_transformer*.json"))
-    return replace_block(readme, "results", results_table(load("imbalance.json"), load(HETEROGENEITY_FILE)))
+    return replace_block(readme, "results", results_table(load(IMBALANCE_FILE), load(HETEROGENEITY_FILE)))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -278,3 +278,15 @@ def test_the_readme_labels_an_abs_sgd_run_by_what_differs_from_todays_defaults()
     assert abs_sgd_label({**today, "adaptive": True, "delay": 1}) == "`abs_sgd` + `AdaptiveBatchSize` (`delay=1`)"
     assert abs_sgd_label({**today, "optimizer": "adamw", "delay": 0}) == "`abs_sgd` (defaults)"
     assert abs_sgd_label({**today, "delay": 0}) == "`abs_sgd` (`delay=0`)"
+
+
+def test_the_readme_names_the_global_period_a_wagma_imbalance_run_used():
+    """The README's wagma_sgd row states the period the fit ran: from its replica check (what the workers recorded),
+    else from the configuration's label, else ``?``."""
+    from benchmarks.results_table import wagma_period
+
+    rule = "identical after every 5th step (global average, tau=5); within groups otherwise"
+    assert wagma_period({"label": "WAGMA-SGD (S=2, tau=10)", "runs": [{"replica_check": {"rule": rule}}]}) == "5"
+    assert wagma_period({"label": "WAGMA-SGD (S=2, tau=10)", "runs": []}) == "10"
+    assert wagma_period({"label": "WAGMA-SGD (S=2, tau=12)"}) == "12"
+    assert wagma_period({"label": "WAGMA-SGD"}) == "?"
