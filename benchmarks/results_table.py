@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -184,12 +185,10 @@ def wagma_period(entry: Json) -> str:
     failing that from the configuration's label.
     """
     runs = entry.get("runs") or [{}]
-    for text in (runs[0].get("replica_check", {}).get("rule", ""), entry.get("label", "")):
-        start = text.find("tau=")
-        if start >= 0:
-            digits = "".join(c for c in text[start + 4:start + 8] if c.isdigit())
-            if digits:
-                return digits
+    for text in ((runs[0].get("replica_check") or {}).get("rule", ""), entry.get("label", "")):
+        found = re.search(r"tau=(\d+)", text)
+        if found:
+            return found.group(1)
     return "?"
 
 
