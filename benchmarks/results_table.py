@@ -42,7 +42,7 @@ MAIN_JOB_ROWS: tuple[str, ...] = (
 )
 
 #: Rows taken from IMBALANCE_FILE: (configuration key, how the table names it). ``wagma_sgd``'s global period is
-#: read from the run's own label (``wagma_period``), so a file run at another default names it.
+#: read from the run itself (``wagma_period``), so a file run at another default names it.
 IMBALANCE_ROWS: tuple[tuple[str, str], ...] = (
     ("ddp_imbalanced", "`ddp`"),
     ("post_local_sgd_imbalanced", "post-local SGD (period 4)"),
@@ -218,12 +218,12 @@ def abs_sgd_label(heterogeneity: Json) -> str:
     return name + " " + (f"(`{', '.join(changed)}`)" if changed else "(defaults)")
 
 
-def optimizer_label(heterogeneity: Json) -> str:
+def optimizer_label(run: Json) -> str:
     """A run's optimizer, as its configurations shared it (a heterogeneity file, or an imbalance run's settings)."""
-    if heterogeneity.get("optimizer", "sgd") == "adamw":
-        return f"AdamW lr {heterogeneity['lr']:g}"
-    momentum = heterogeneity.get("momentum", 0.0)
-    return f"SGD lr {heterogeneity['lr']:g}" + (f" momentum {momentum:g}" if momentum else "")
+    if run.get("optimizer", "sgd") == "adamw":
+        return f"AdamW lr {run['lr']:g}"
+    momentum = run.get("momentum", 0.0)
+    return f"SGD lr {run['lr']:g}" + (f" momentum {momentum:g}" if momentum else "")
 
 
 def replace_block(text: str, name: str, lines: Sequence[str]) -> str:
