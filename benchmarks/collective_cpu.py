@@ -12,9 +12,17 @@ thread). On a host with fewer cores than ranks the CPU of a collective comes
 out of the ranks' compute; this says how much of it is per call and how much
 per byte, and which thread spends it.
 
+With ``--variants`` it also measures what else ``torch.distributed`` offers for
+the same sum, each on its own gloo group of the 4 ranks: the allreduce on
+groups with 1 and 4 gloo worker threads (``ProcessGroupGloo._Options._threads``;
+the default is 2), a ``reduce`` to rank 0 then a ``broadcast``, and an
+``allgather`` then a local sum: whether a round's price per collective is an
+option's or gloo's.
+
 Usage::
 
     python -m benchmarks.collective_cpu      # ~1 min; writes benchmarks/results/collective_cpu.json
+    python -m benchmarks.collective_cpu --variants --out benchmarks/results/collective_cpu_variants.json  # ~2 min
 """
 
 from __future__ import annotations
@@ -26,12 +34,15 @@ import os
 import platform
 import statistics
 import time
+from datetime import timedelta
 from pathlib import Path
+from queue import Empty
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import Tensor
 
 from benchmarks.harness import RESULTS, cpu_by_thread_name, free_port, positive_int
 
@@ -49,7 +60,48 @@ def _per_call(fn: Any, calls: int) -> tuple[float, float]:
     return (time.process_time() - cpu) / calls, (time.perf_counter() - wall) / calls
 
 
-def _rank(rank: int, port: int, calls: int, queue: Any) -> None:
+def _gloo_group(store: Any, prefix: str, rank: int, threads: int) -> Any:
+    """A gloo group of the 4 ranks over loopback with ``threads`` worker threads."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=120)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    options._threads = threads
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, WORLD, options)
+
+
+def _variants(store: Any, rank: int, calls: int) -> dict[str, dict[str, dict[str, float]]]:
+    """CPU and wall ms per call of each variant of the sum (``--variants``), per tensor size; every rank runs the
+    same sequence, so the collectives pair up."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    groups = {threads: _gloo_group(store, f"collective_cpu/threads{threads}", rank, threads) for threads in (1, 2, 4)}
+    default = groups[2]
+    for numel in SIZES:
+        tensor = torch.randn(numel)
+        gathered = [torch.empty(numel) for _ in range(WORLD)]
+
+        def reduce_broadcast(_: int, t: Tensor = tensor) -> None:
+            default.reduce([t], dist.ReduceOptions()).wait()  # to rank 0
+            default.broadcast([t]).wait()
+
+        def allgather_sum(_: int, t: Tensor = tensor, parts: list[Tensor] = gathered) -> None:
+            default.allgather([parts], [t]).wait()
+            torch.sum(torch.stack(parts), 0, out=t)
+
+        variants = {f"allreduce, {threads} gloo threads": (lambda _, g=group, t=tensor: g.allreduce([t]).wait())
+                    for threads, group in groups.items()}
+        variants.update({"reduce + broadcast": reduce_broadcast, "allgather + local sum": allgather_sum})
+        for name, fn in variants.items():
+            for i in range(20):
+                fn(i)
+            default.allreduce([torch.zeros(1)]).wait()  # start together
+            cpu, wall = _per_call(fn, calls)
+            out.setdefault(name, {})[str(numel)] = {"cpu_ms": cpu * 1e3, "wall_ms": wall * 1e3}
+            tensor.copy_(torch.randn(numel))  # keep the values finite: the sums grow by 4x per call
+    default.allreduce([torch.zeros(1)]).wait()
+    return out
+
+
+def _rank(rank: int, port: int, calls: int, variants: bool, queue: Any) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
@@ -65,6 +117,8 @@ def _rank(rank: int, port: int, calls: int, queue: Any) -> None:
                      for name, seconds in cpu_by_thread_name().items()}
         out["allreduce"][str(numel)] = {"cpu_ms": cpu * 1e3, "wall_ms": wall * 1e3,
                                         "cpu_ms_by_thread": {k: v for k, v in by_thread.items() if v > 0}}
+    if variants:
+        out["variants"] = _variants(store, rank, calls)
     own = dist.PrefixStore(f"collective_cpu/{rank}", store)
     dist.barrier()
     add_cpu, add_wall = _per_call(lambda i: own.add(f"k{i}", 1), calls)
@@ -76,19 +130,39 @@ def _rank(rank: int, port: int, calls: int, queue: Any) -> None:
     queue.put(out)
 
 
+def _next_result(queue: Any, procs: list[Any], timeout: float = 600.0) -> dict[str, Any]:
+    """The next rank's report; fails at once if a rank has died (its peers then block in a collective) and after
+    ``timeout`` seconds in any case."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=1.0)
+        except Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"rank(s) {dead} exited with {[procs[i].exitcode for i in dead]}") from None
+    for p in procs:
+        p.kill()
+    raise RuntimeError(f"no report from the ranks within {timeout:g}s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=positive_int, default=200, help="timed calls per measurement")
     parser.add_argument("--out", type=Path, default=RESULTS / "collective_cpu.json")
+    parser.add_argument("--variants", action="store_true",
+                        help="also the allreduce with 1 and 4 gloo threads, reduce + broadcast, allgather + sum")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, args.calls, queue)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank, args=(r, port, args.calls, args.variants, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
-    ranks = sorted((queue.get(timeout=600) for _ in procs), key=lambda r: r["rank"])
+    ranks = sorted((_next_result(queue, procs) for _ in procs), key=lambda r: r["rank"])
     for p in procs:
         p.join(timeout=60)
         if p.exitcode != 0:
@@ -109,6 +183,11 @@ def main() -> None:
                 for name in sorted({k for r in ranks for k in r["allreduce"][n]["cpu_ms_by_thread"]})}
             for n in map(str, SIZES)},
     }
+    if args.variants:
+        summary["variants"] = {
+            name: {n: {k: spread([r["variants"][name][n][k] for r in ranks]) for k in ("cpu_ms", "wall_ms")}
+                   for n in map(str, SIZES)}
+            for name in ranks[0]["variants"]}
     report = {
         "world": WORLD, "calls": args.calls, "cores": os.cpu_count(), "torch": torch.__version__,
         "python": platform.python_version(), "load_average_before": os.getloadavg(),
@@ -122,6 +201,10 @@ def main() -> None:
                  c["max"], w["median"])
         log.info("  by thread (median over ranks): %s", ", ".join(
             f"{name} {v['median']:.2f} ms" for name, v in summary["allreduce_by_thread"][n].items()))
+    for name, by_size in summary.get("variants", {}).items():
+        log.info("%s: %s", name, "; ".join(
+            f"{n} float32 CPU {f['cpu_ms']['median']:.2f} ms [{f['cpu_ms']['min']:.2f}-{f['cpu_ms']['max']:.2f}], "
+            f"wall {f['wall_ms']['median']:.2f} ms" for n, f in by_size.items()))
     for op, figures in summary["store"].items():
         log.info("store.%s: CPU %.3f ms per call [%.3f-%.3f], wall %.3f ms", op, figures["cpu_ms"]["median"],
                  figures["cpu_ms"]["min"], figures["cpu_ms"]["max"], figures["wall_ms"]["median"])

@@ -181,11 +181,15 @@ def results_table(imbalance: Json, heterogeneity: Json) -> list[str]:
 def wagma_period(entry: Json) -> str:
     """The global period a ``wagma_sgd`` imbalance run used, else ``?``.
 
-    Read from the first run's replica check, whose rule states the period the workers recorded (``tau=N``), and
-    failing that from the configuration's label.
+    Read from the first run's replica check: its ``global_every`` (the period the workers recorded; ``None``:
+    never), in files written before that field from its rule's text (``tau=N``); failing that from the
+    configuration's label.
     """
     runs = entry.get("runs") or [{}]
-    for text in ((runs[0].get("replica_check") or {}).get("rule", ""), entry.get("label", "")):
+    check = runs[0].get("replica_check") or {}
+    if "global_every" in check:
+        return "none" if check["global_every"] is None else str(check["global_every"])
+    for text in (check.get("rule", ""), entry.get("label", "")):
         found = re.search(r"tau=(\d+)", text)
         if found:
             return found.group(1)

@@ -148,6 +148,9 @@ def test_the_wagma_replica_check_follows_the_global_period_the_fit_ran():
     assert _replica_check(CONFIGS["wagma_sgd_global10_imbalanced"], ranks(10, 10), args)["ok"]
     assert not _replica_check(CONFIGS["wagma_sgd_global10_imbalanced"], ranks(5, 10), args)["ok"]
     assert _replica_check(wagma, ranks(10, None), args)["ok"]  # a record from before the worker kept the period
+    # The period is kept as a field (what the README's row names), not only in the rule's prose.
+    assert _replica_check(wagma, ranks(5, 5), args)["global_every"] == 5
+    assert "global_every" not in _replica_check(CONFIGS["ds_sync_imbalanced"], ranks(5, 5), args)
 
 
 def test_abs_sgd_runs_at_the_strategy_defaults_unless_told_and_bad_sample_options_fail():
@@ -290,3 +293,6 @@ def test_the_readme_names_the_global_period_a_wagma_imbalance_run_used():
     assert wagma_period({"label": "WAGMA-SGD (S=2, tau=10)", "runs": []}) == "10"
     assert wagma_period({"label": "WAGMA-SGD (S=2, tau=12)"}) == "12"
     assert wagma_period({"label": "WAGMA-SGD"}) == "?"
+    # Files written since the replica check records the period as a field: the field wins over the label.
+    assert wagma_period({"label": "WAGMA-SGD (S=2, tau=5)", "runs": [{"replica_check": {"global_every": 10}}]}) == "10"
+    assert wagma_period({"label": "WAGMA-SGD (S=2, tau=5)", "runs": [{"replica_check": {"global_every": None}}]}) == "none"

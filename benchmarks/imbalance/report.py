@@ -34,7 +34,8 @@ def _replica_check(config: Config, ranks: list[dict], args: argparse.Namespace) 
         # As the fit ran (its record); records from before the worker kept it ran WAGMA's earlier default, 10.
         tau = ranks[0].get("global_every", 10)
         expected = [tau is not None and (i + 1) % tau == 0 for i in range(n)]
-        rule = f"identical after every {tau}th step (global average, tau={tau}); within groups otherwise"
+        rule = (f"identical after every {tau}th step (global average, tau={tau}); within groups otherwise"
+                if tau is not None else "identical only after the final average (global_every=None)")
     elif config.strategy == "ds_sync":
         expected = [False] * n
         rule = "identical only after the final average (no periodic global average)"
@@ -47,7 +48,9 @@ def _replica_check(config: Config, ranks: list[dict], args: argparse.Namespace) 
         expected = [True] * n
         rule = "identical after every step"
     final_identical = len({r.get("final_digest") for r in ranks}) == 1  # after the fit (the bound: never)
+    extra = {"global_every": ranks[0].get("global_every", 10)} if config.strategy == "wagma_sgd" else {}
     return {
+        **extra,
         "steps_checked": n,
         "identical": "".join("=" if s else "." for s in identical),  # step 0 first; '=' identical
         "expected": "".join("=" if s else "." for s in expected),
