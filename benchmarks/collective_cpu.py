@@ -14,10 +14,11 @@ per byte, and which thread spends it.
 
 With ``--variants`` it also measures what else ``torch.distributed`` offers for
 the same sum, each on its own gloo group of the 4 ranks: the allreduce on
-groups with 1 and 4 gloo worker threads (``ProcessGroupGloo._Options._threads``;
-the default is 2), a ``reduce`` to rank 0 then a ``broadcast``, and an
-``allgather`` then a local sum: whether a round's price per collective is an
-option's or gloo's.
+groups with 1, 2 and 4 gloo worker threads (``ProcessGroupGloo._Options._threads``;
+torch's default is 2), each count measured twice in opposite orders, a
+``reduce`` to rank 0 then a ``broadcast``, and an ``allgather`` then a local
+sum (all of zeros): whether a round's price per collective is an option's or
+gloo's.
 
 Usage::
 
@@ -76,7 +77,9 @@ def _variants(store: Any, rank: int, calls: int) -> dict[str, dict[str, dict[str
     groups = {threads: _gloo_group(store, f"collective_cpu/threads{threads}", rank, threads) for threads in (1, 2, 4)}
     default = groups[2]
     for numel in SIZES:
-        tensor = torch.randn(numel)
+        # Zeros: a sum of zeros stays zero, so no call meets an infinity or a subnormal (values of any other kind
+        # grow 4x per call and overflow float32 within 64 calls); gloo's work does not depend on the values.
+        tensor = torch.zeros(numel)
         gathered = [torch.empty(numel) for _ in range(WORLD)]
 
         def reduce_broadcast(_: int, t: Tensor = tensor) -> None:
@@ -85,10 +88,15 @@ def _variants(store: Any, rank: int, calls: int) -> dict[str, dict[str, dict[str
 
         def allgather_sum(_: int, t: Tensor = tensor, parts: list[Tensor] = gathered) -> None:
             default.allgather([parts], [t]).wait()
-            torch.sum(torch.stack(parts), 0, out=t)
+            t.copy_(parts[0])  # the local sum in place: no stacked copy of the 4 parts
+            for part in parts[1:]:
+                t.add_(part)
 
-        variants = {f"allreduce, {threads} gloo threads": (lambda _, g=group, t=tensor: g.allreduce([t]).wait())
-                    for threads, group in groups.items()}
+        # The thread counts twice, in opposite orders (1, 2, 4, then 4, 2, 1): an effect of the order (the
+        # process warming up) then shows as a difference between a count's two passes.
+        variants = {f"allreduce, {threads} gloo threads, pass {k}": (lambda _, g=groups[threads], t=tensor:
+                                                                     g.allreduce([t]).wait())
+                    for k, order in ((1, (1, 2, 4)), (2, (4, 2, 1))) for threads in order}
         variants.update({"reduce + broadcast": reduce_broadcast, "allgather + local sum": allgather_sum})
         for name, fn in variants.items():
             for i in range(20):
@@ -96,7 +104,6 @@ def _variants(store: Any, rank: int, calls: int) -> dict[str, dict[str, dict[str
             default.allreduce([torch.zeros(1)]).wait()  # start together
             cpu, wall = _per_call(fn, calls)
             out.setdefault(name, {})[str(numel)] = {"cpu_ms": cpu * 1e3, "wall_ms": wall * 1e3}
-            tensor.copy_(torch.randn(numel))  # keep the values finite: the sums grow by 4x per call
     default.allreduce([torch.zeros(1)]).wait()
     return out
 

@@ -89,8 +89,7 @@ MAIN_JOB_FILES: tuple[str, ...] = (
 )
 #: The main job with AdamW (the translation Transformer), its seeds likewise.
 MAIN_JOB_ADAMW_FILES: tuple[str, ...] = (
-    "main_job_transformer.json", "main_job_transformer_seed1.json", "main_job_transformer_seed2.json",
-    "main_job_transformer_seed3.json", "main_job_transformer_seed4.json",
+    "main_job_transformer.json", *(f"main_job_transformer_seed{seed}.json" for seed in range(1, 10)),
 )
 
 
