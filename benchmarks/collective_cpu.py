@@ -160,7 +160,8 @@ def main() -> None:
     parser.add_argument("--calls", type=positive_int, default=200, help="timed calls per measurement")
     parser.add_argument("--out", type=Path, default=RESULTS / "collective_cpu.json")
     parser.add_argument("--variants", action="store_true",
-                        help="also the allreduce with 1 and 4 gloo threads, reduce + broadcast, allgather + sum")
+                        help="also the allreduce with 1, 2 and 4 gloo threads (two passes), reduce + broadcast, "
+                             "allgather + sum")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     ctx = mp.get_context("spawn")
