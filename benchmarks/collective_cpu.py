@@ -37,7 +37,6 @@ import statistics
 import time
 from datetime import timedelta
 from pathlib import Path
-from queue import Empty
 from typing import Any
 
 import torch
@@ -45,7 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
-from benchmarks.harness import RESULTS, cpu_by_thread_name, free_port, positive_int
+from benchmarks.harness import RESULTS, cpu_by_thread_name, free_port, positive_int, process_reports
 
 log = logging.getLogger("benchmarks.collective_cpu")
 WORLD = 4
@@ -137,24 +136,6 @@ def _rank(rank: int, port: int, calls: int, variants: bool, queue: Any) -> None:
     queue.put(out)
 
 
-def _next_result(queue: Any, procs: list[Any], timeout: float = 600.0) -> dict[str, Any]:
-    """The next rank's report; fails at once if a rank has died (its peers then block in a collective) and after
-    ``timeout`` seconds in any case."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            return queue.get(timeout=1.0)
-        except Empty:
-            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"rank(s) {dead} exited with {[procs[i].exitcode for i in dead]}") from None
-    for p in procs:
-        p.kill()
-    raise RuntimeError(f"no report from the ranks within {timeout:g}s")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=positive_int, default=200, help="timed calls per measurement")
@@ -170,7 +151,7 @@ def main() -> None:
     procs = [ctx.Process(target=_rank, args=(r, port, args.calls, args.variants, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
-    ranks = sorted((_next_result(queue, procs) for _ in procs), key=lambda r: r["rank"])
+    ranks = sorted(process_reports(queue, procs, timeout=600.0), key=lambda r: r["rank"])
     for p in procs:
         p.join(timeout=60)
         if p.exitcode != 0:

@@ -26,6 +26,7 @@ import threading
 import time
 from importlib import metadata
 from pathlib import Path
+from queue import Empty
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -124,6 +125,31 @@ def positive_int(value: str) -> int:
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
     return number
+
+
+def process_reports(queue: Any, procs: list[Any], timeout: float) -> list[Any]:
+    """One report per process in ``procs`` from their ``multiprocessing`` queue.
+
+    Fails at once if a process has exited with an error (the others then wait for it: in a collective, at a
+    barrier) and after ``timeout`` seconds in any case, naming the processes; either way it kills them all.
+    """
+    reports: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while len(reports) < len(procs):
+        try:
+            reports.append(queue.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01))))
+            continue
+        except Empty:
+            pass
+        dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if dead or time.monotonic() >= deadline:
+            for p in procs:
+                p.kill()
+            if dead:
+                raise RuntimeError(f"process(es) {dead} exited with {[procs[i].exitcode for i in dead]}")
+            raise RuntimeError(f"{len(procs) - len(reports)} of {len(procs)} processes sent no report within "
+                               f"{timeout:g}s")
+    return reports
 
 
 def package_version(name: str) -> Optional[str]:

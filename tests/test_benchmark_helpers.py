@@ -296,3 +296,35 @@ def test_the_readme_names_the_global_period_a_wagma_imbalance_run_used():
     # Files written since the replica check records the period as a field: the field wins over the label.
     assert wagma_period({"label": "WAGMA-SGD (S=2, tau=5)", "runs": [{"replica_check": {"global_every": 10}}]}) == "10"
     assert wagma_period({"label": "WAGMA-SGD (S=2, tau=5)", "runs": [{"replica_check": {"global_every": None}}]}) == "none"
+
+
+def _report(queue, value: int) -> None:  # type: ignore[no-untyped-def]
+    queue.put(value)
+
+
+def _die(code: int) -> None:
+    raise SystemExit(code)
+
+
+def test_process_reports_collects_one_per_process_and_fails_at_once_when_one_dies():
+    """The benchmarks' parent waits for its processes' reports: one each when they all report; an error naming the
+    process when one exits with an error (its peers would wait for it), long before the bound."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")  # the targets live in this test module
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_report, args=(queue, i)) for i in range(3)]
+    for p in procs:
+        p.start()
+    assert sorted(harness.process_reports(queue, procs, timeout=60.0)) == [0, 1, 2]
+    for p in procs:
+        p.join(timeout=10)
+
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_report, args=(queue, 0)), ctx.Process(target=_die, args=(3,))]
+    for p in procs:
+        p.start()
+    with pytest.raises(RuntimeError, match=r"process\(es\) \[1\] exited with \[3\]"):
+        harness.process_reports(queue, procs, timeout=60.0)
+    for p in procs:
+        p.join(timeout=10)

@@ -23,6 +23,7 @@ def _replica_check(config: Config, ranks: list[dict], args: argparse.Namespace) 
     """After which of the first optimizer steps all replicas were bit-identical, against what the strategy implies."""
     n = min(len(r["digests"]) for r in ranks)
     identical = [len({r["digests"][i] for r in ranks}) == 1 for i in range(n)]
+    extra: dict[str, Any] = {}
     if config.strategy == "post_local_sgd":
         w, k = args.localsgd_warmup, args.averaging_period
         expected = [i < w or (i - w) % k == 0 for i in range(n)]
@@ -33,6 +34,7 @@ def _replica_check(config: Config, ranks: list[dict], args: argparse.Namespace) 
     elif config.strategy == "wagma_sgd":
         # As the fit ran (its record); records from before the worker kept it ran WAGMA's earlier default, 10.
         tau = ranks[0].get("global_every", 10)
+        extra["global_every"] = tau  # a field, for the README's row (results_table.wagma_period)
         expected = [tau is not None and (i + 1) % tau == 0 for i in range(n)]
         rule = (f"identical after every {tau}th step (global average, tau={tau}); within groups otherwise"
                 if tau is not None else "identical only after the final average (global_every=None)")
@@ -48,7 +50,6 @@ def _replica_check(config: Config, ranks: list[dict], args: argparse.Namespace) 
         expected = [True] * n
         rule = "identical after every step"
     final_identical = len({r.get("final_digest") for r in ranks}) == 1  # after the fit (the bound: never)
-    extra = {"global_every": ranks[0].get("global_every", 10)} if config.strategy == "wagma_sgd" else {}
     return {
         **extra,
         "steps_checked": n,

@@ -29,6 +29,7 @@ from benchmarks.harness import (
     launch_environment,
     module_command,
     positive_int,
+    process_reports,
     retry_while_stolen,
     run_in_group,
     set_threads,
@@ -110,7 +111,7 @@ def calibrate(
         for w in workers:
             w.start()
         try:
-            per_process = [queue.get(timeout=timeout) for _ in workers]
+            per_process = process_reports(queue, workers, timeout)
         finally:
             for w in workers:
                 w.join(timeout=10)
