@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from lightning.fabric.utilities.distributed import (  # noqa: F401 - re-exported
     _all_gather_ddp_if_available,
@@ -109,6 +109,144 @@ def replace_sigterm_broadcast(trainer: object, stop_requested: Callable[[], bool
 
     loop._broadcast_sigterm_tensor = _nonblocking_sigterm_check  # type: ignore[attr-defined]
     return True
+
+
+# Set on a Timer taken over for this fit: whether this rank has requested the finish.
+_TIMER_MARK = "_lightning_partial_finish_requested"
+# Set on a ModelCheckpoint whose time interval is taken over for this fit: the interval.
+_INTERVAL_MARK = "_lightning_partial_train_time_interval"
+
+
+def take_over_step_timers(trainer: Any, request_finish: Callable[[], None]) -> int:
+    """Replaces each per-step ``Timer``'s broadcast (``Trainer(max_time=...)``) with ``request_finish``.
+
+    Lightning's ``Timer`` with ``interval="step"`` (the one ``max_time`` adds) calls
+    ``trainer.strategy.broadcast`` at every batch end: rank 0's "time is up" sent
+    to every rank, a collective per step that ties every rank to rank 0's pace and,
+    under ``abs_sgd``, whose ranks run different numbers of batches, pairs with
+    another rank's unrelated collective (the fit then hangs until the timeout). Here
+    the Timer's batch-end check asks rank 0's clock alone, as Lightning's does, and
+    calls ``request_finish()`` once it is up, on rank 0 only: the strategy carries
+    the request in its rounds and ends every rank's fit at the same round. The
+    Timer's other checks (at fit start, ``interval="epoch"``) keep their broadcast:
+    every rank makes them at the same point. Returns how many Timers were taken over.
+    """
+    from lightning.pytorch.callbacks.timer import Interval, Timer
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    taken = 0
+    for callback in getattr(trainer, "callbacks", []):
+        if not isinstance(callback, Timer) or getattr(callback, "_interval", None) != Interval.step:
+            continue
+        if getattr(callback, "_duration", None) is None or not hasattr(callback, "time_elapsed"):
+            continue
+
+        def on_train_batch_end(trainer: Any, *args: Any, _timer: Any = callback, **kwargs: Any) -> None:
+            if trainer.global_rank != 0 or getattr(_timer, _TIMER_MARK):
+                return
+            if _timer.time_elapsed() >= _timer._duration:
+                setattr(_timer, _TIMER_MARK, True)  # requested once
+                request_finish()
+                if getattr(_timer, "_verbose", False):
+                    rank_zero_info(f"Time limit reached. Elapsed time is {int(_timer.time_elapsed())} s. "
+                                   "Signaling every rank to stop at the same round.")
+
+        callback.on_train_batch_end = on_train_batch_end  # shadows the method for this fit
+        setattr(callback, _TIMER_MARK, False)
+        taken += 1
+    return taken
+
+
+def restore_step_timers(trainer: Any) -> None:
+    """Undoes :func:`take_over_step_timers` (the instance attributes shadowed the method)."""
+    for callback in getattr(trainer, "callbacks", []):
+        if _TIMER_MARK in callback.__dict__:
+            del callback.__dict__[_TIMER_MARK]
+            callback.__dict__.pop("on_train_batch_end", None)
+
+
+def take_over_time_checkpoint(callback: Any) -> Optional[float]:
+    """Stops ``ModelCheckpoint`` ``callback`` saving by its ``train_time_interval`` itself; returns the interval
+    in seconds (``None``: it has none). :func:`restore_time_checkpoint` gives it back.
+
+    Lightning decides such a save with rank 0's clock and broadcasts the decision at
+    every batch end (a collective per step, as the ``Timer``'s). Its other triggers
+    (steps, epoch ends, validation) are left as they are.
+    """
+    interval = getattr(callback, "_train_time_interval", None)
+    if interval is None:
+        return None
+    callback.__dict__[_INTERVAL_MARK] = interval
+    callback._train_time_interval = None
+    return float(interval.total_seconds())
+
+
+def restore_time_checkpoint(callback: Any) -> None:
+    """Undoes :func:`take_over_time_checkpoint`."""
+    if _INTERVAL_MARK in callback.__dict__:
+        callback._train_time_interval = callback.__dict__.pop(_INTERVAL_MARK)
+
+
+def time_since_checkpoint(callback: Any, now: float) -> float:
+    """Seconds since ``callback`` last saved by time (Lightning's clock: set at train start and at each such save)."""
+    last = getattr(callback, "_last_time_checked", None)
+    return 0.0 if last is None else now - last
+
+
+def save_time_checkpoint(callback: Any, trainer: Any, now: float) -> None:
+    """What ``ModelCheckpoint.on_train_batch_end`` does when its time interval is up: top-k and ``last``,
+    and its clock restarted."""
+    callback._last_time_checked = now
+    save_step_checkpoint(callback, trainer)
+
+
+def time_validation_interval(trainer: Any) -> Optional[float]:
+    """``Trainer(val_check_interval=<a time>)``'s interval in seconds; ``None`` if validation is by batches."""
+    return getattr(trainer, "_val_check_time_interval", None)
+
+
+def time_since_validation(trainer: Any, now: float) -> float:
+    """Seconds since the fit's start or its last validation (Lightning's clock for time-based validation)."""
+    last = getattr(trainer, "_last_val_time", None)
+    return 0.0 if last is None else now - last
+
+
+def take_over_time_validation(trainer: Any, due: Callable[[], bool]) -> bool:
+    """Makes time-based validation (``val_check_interval`` a time) happen where ``due()`` says, not by each
+    rank's own clock; returns whether it was taken over.
+
+    Lightning 2.6's epoch loop validates when *this rank's* clock has passed the
+    interval since its last validation, with no agreement between ranks: ranks whose
+    batches end at different times would validate at different steps (and a rank
+    that validates waits in the validation's collectives for ranks that do not).
+    The wrapped check answers as Lightning's would with the clock left out, or
+    ``due()``: the strategy agrees on the step through its rounds.
+    """
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    original = getattr(loop, "_should_check_val_fx", None)
+    if original is None or time_validation_interval(trainer) is None:
+        return False
+
+    def _should_check_val_fx(*args: Any, **kwargs: Any) -> bool:
+        last = trainer._last_val_time
+        trainer._last_val_time = float("inf")  # the clock's part: never
+        try:
+            by_loop = original(*args, **kwargs)
+        finally:
+            trainer._last_val_time = last
+        agreed = due()  # asked every batch end: a due validation is taken once, even where the loop validates
+        epoch_validates = getattr(loop, "_should_check_val_epoch", lambda: True)()
+        return bool(by_loop) or (agreed and epoch_validates)
+
+    loop._should_check_val_fx = _should_check_val_fx
+    return True
+
+
+def restore_time_validation(trainer: Any) -> None:
+    """Undoes :func:`take_over_time_validation` (the instance attribute shadowed the method)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    if loop is not None:
+        loop.__dict__.pop("_should_check_val_fx", None)
 
 
 def install_sigterm_handler(handler: Callable[[int, Any], None]) -> Any:
@@ -263,8 +401,8 @@ def logs_this_step(trainer: Any) -> bool:
     ``fast_dev_run``). An ``on_step`` metric logged at any other batch is overwritten before a logger sees
     it, yet ``LightningModule.log`` costs 0.6-0.9 ms of CPU a call: callbacks that log several figures
     per batch would otherwise take that from every step. A stop requested after the asking callback's hook
-    (a later callback's, ``max_time``'s ``Timer``) makes Lightning write the batch without that callback's
-    figures of it.
+    (a later callback's) makes Lightning write the batch without that callback's figures of it; the
+    strategies' time limit (:mod:`~lightning_partial.strategies.agreed_clock`) stops in the step, before.
     """
     try:
         if trainer.fit_loop._should_accumulate() and trainer.lightning_module.automatic_optimization:

@@ -484,16 +484,6 @@ def test_a_staleness_rule_the_optimizer_cannot_serve_fails_at_setup(tmp_path, op
         _tiny_fit(ABSSGDStrategy(staleness_rule="momentum"), tmp_path, optimizer)
 
 
-def test_time_triggered_checkpoints_are_refused(tmp_path):
-    from datetime import timedelta
-
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    with pytest.raises(ValueError, match="train_time_interval"):
-        _tiny_fit(ABSSGDStrategy(), tmp_path,
-                  callbacks=[ModelCheckpoint(dirpath=tmp_path, train_time_interval=timedelta(seconds=1))])
-
-
 @pytest.mark.timeout(300)
 def test_step_checkpoints_are_consistent_cuts_that_resume(tmp_path):
     """ModelCheckpoint(every_n_train_steps=5) under speeds 1, 1, 0.5, 0.25: one save per multiple on every

@@ -270,6 +270,8 @@ SETUP_CASES: list[tuple[str, SetupBuild, str]] = [
     # conflicting trainer options
     ("abs_sgd with validation every half epoch", lambda src, tmp: (ABSSGDStrategy(), {"val_check_interval": 0.5}),
      r"val_check_interval"),
+    ("abs_sgd with validation by time", lambda src, tmp: (ABSSGDStrategy(), {"val_check_interval": "00:00:00:05"}),
+     r"abs_sgd: Trainer\(val_check_interval=<5 s>\) validates by time"),
     ("abs_sgd with gradient accumulation", lambda src, tmp: (ABSSGDStrategy(), {"accumulate_grad_batches": 2}),
      r"accumulate_grad_batches.*must be 1"),
     ("eager_sgd catch_up with gradient accumulation", lambda src, tmp: (

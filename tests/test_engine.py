@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 import random
 import threading
 import time
@@ -803,6 +805,56 @@ def test_request_stop_is_refused_in_pure_sync_mode():
     e = PartialAllreduce(config(mode="sync"), store=dist.HashStore(), rank=0, world_size=1, like=torch.zeros(1))
     with pytest.raises(ValueError, match="header"):
         e.request_stop()
+    with pytest.raises(ValueError, match="header"):
+        e.request_finish()
+    with pytest.raises(ValueError, match="header"):
+        e.announce(1)
+
+
+@pytest.mark.parametrize("flags", [0, -1, 1 << 62, True, 1.0])
+def test_announce_refuses_bits_outside_its_range(flags):
+    e = PartialAllreduce(config(mode="solo"), store=dist.HashStore(), rank=0, world_size=1, like=torch.zeros(1))
+    with pytest.raises(ValueError, match=r"announce\(\) takes bits"):
+        e.announce(flags)
+
+
+@pytest.mark.parametrize("mode", ["solo", "majority"])
+def test_announcements_and_a_finish_reach_every_rank_in_the_same_round(mode):
+    """Rank 0 announces bits twice and asks to finish; rank 3 announces once: every rank sees each
+    announcement in exactly one round, the same on every rank (bits announced together arrive together), and
+    the finish from the same round on, while the rounds go on to the flush."""
+
+    def fn(rank, store):
+        e = PartialAllreduce(config(mode=mode), store=store, rank=rank, world_size=P, like=torch.zeros(2))
+        e.start()
+        rng = random.Random(rank)
+        announced, finish = {}, None
+        try:
+            for step in range(40):
+                random_delay(rng)
+                if rank == 0 and step in (5, 6):
+                    e.announce(1 << step)
+                if rank == 3 and step == 12:
+                    e.announce(2)
+                if rank == 0 and step == 20:
+                    e.request_finish()
+                result = e.arrive(torch.ones(2))
+                if result.stats.announced:
+                    announced[result.round_index] = result.stats.announced
+                if finish is None and result.stats.finish:
+                    finish = result.round_index
+                assert finish is None or result.stats.finish, "a finish, once seen, is in every later round"
+            last = e.flush()
+            return announced, finish, last.round_index
+        finally:
+            e.close()
+
+    per_rank = run_threads(P, fn)
+    assert all(r == per_rank[0] for r in per_rank), per_rank
+    announced, finish, last = per_rank[0]
+    assert sum(bin(bits).count("1") for bits in announced.values()) == 3, announced
+    assert functools.reduce(operator.or_, announced.values()) == (1 << 5) | (1 << 6) | 2
+    assert finish is not None and 20 <= finish < 40 and last == 40
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

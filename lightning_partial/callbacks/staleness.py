@@ -24,7 +24,8 @@ Contract:
   ``trainer.callback_metrics`` holds them as of the last written batch (never,
   with ``log_every_n_steps=0``: a ``ModelCheckpoint`` or ``EarlyStopping``
   monitoring one needs a written batch), and a stop requested after this
-  callback's hook (``max_time``) writes its last batch without its figures; :attr:`last`
+  callback's hook (a later callback's; ``max_time`` under these strategies
+  stops in the step, before) writes its last batch without its figures; :attr:`last`
   and :attr:`summary` always hold every round. Any Lightning logger (CSV, TensorBoard,
   W&B) receives them (loggers write rank 0's view; only ``wait_ms``, ``skipped`` and
   ``step_lag`` differ between ranks); no collective.

@@ -36,8 +36,9 @@ here (**Decisions**; the semantics in docs/algorithms.md, abs_sgd):
 * **Agreement.** Every rank sees every round's header, so every rank counts
   the same global samples and rounds: the round after which the samples
   reach ``k * epoch_samples`` ends epoch ``k``; the round that reaches
-  ``max_epochs`` epochs or ``max_rounds`` rounds is final (no rank requests
-  another). :meth:`pause`, :meth:`known_round` and :meth:`drain` let the
+  ``max_epochs`` epochs or ``max_rounds`` rounds, or the first that carries a
+  finish request (``request_finish``: a time limit), is final (no rank
+  requests another). :meth:`pause`, :meth:`known_round` and :meth:`drain` let the
   caller's side agree on a round after which nothing is in flight (a
   checkpoint; the end of fit), and :meth:`finish` runs the final,
   synchronous round after it: nothing pending is lost.
@@ -627,7 +628,7 @@ class DelayedAllreduce(PartialAllreduce):
                     d.max_epochs is not None
                     and d.epoch_samples is not None
                     and self._global_samples >= d.max_epochs * d.epoch_samples
-                ):
+                ) or result.stats.finish:
                     self._final_round = r
                 activate = self._may_activate(r + 1)
                 if activate:

@@ -216,6 +216,8 @@ class PartialAllreduce(RoundRunner):
         # Written without the lock: request_stop() may run in a signal handler
         # that interrupted the caller's thread while it held self._cond.
         self._stop_requested = False
+        self._finish_requested = False  # as the stop: a plain flag the communication thread reads
+        self._announce = 0  # bits announced since this rank's last snapshot (under self._cond)
 
         self._initiators = random.Random(config.seed)
         # Per round submitted and not collected: when its submission started, when it arrived,
@@ -410,6 +412,42 @@ class PartialAllreduce(RoundRunner):
                 f"rank {self.rank}: request_stop() needs the round header, which pure mode='sync' does not send"
             )
         self._stop_requested = True
+
+    def request_finish(self) -> None:
+        """Asks every rank to end its fit after the next round this rank's thread snapshots.
+
+        The request travels in that round's header (``result.stats.finish`` on every
+        rank in the same round ``R``, and in the rounds after it). Unlike
+        :meth:`request_stop`, nothing ends here: the rounds go on, and the caller
+        ends its loop where it sees ``finish``, then flushes as at any end (a
+        training time limit: Lightning's ``max_time``). Callable from any thread.
+        Not available in pure ``sync`` mode, whose rounds carry no header.
+        """
+        if self.config.mode == "sync":
+            raise ValueError(
+                f"rank {self.rank}: request_finish() needs the round header, which pure mode='sync' does not send"
+            )
+        self._finish_requested = True
+
+    def announce(self, flags: int) -> None:
+        """Has every rank see ``flags`` (caller-defined bits) in the same round, once.
+
+        The next round this rank's thread snapshots carries them in its header:
+        every rank finds them in that round's ``result.stats.announced`` (the OR
+        over the ranks' announcements), and in no other round. Bits announced
+        twice before a snapshot arrive once. The caller decides what a bit means
+        (the strategies: a time-based checkpoint every rank takes at the same
+        step). Not in pure ``sync`` mode, whose rounds carry no header.
+        """
+        if self.config.mode == "sync":
+            raise ValueError(
+                f"rank {self.rank}: announce() needs the round header, which pure mode='sync' does not send"
+            )
+        if not isinstance(flags, int) or isinstance(flags, bool) or not 0 < flags < 1 << header.ANNOUNCE_BITS:
+            raise ValueError(f"rank {self.rank}: announce() takes bits as an int in [1, 2**{header.ANNOUNCE_BITS}), "
+                             f"got {flags!r}")
+        with self._cond:
+            self._announce |= flags
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops the communication thread; bounded by ``timeout`` seconds and idempotent."""

@@ -19,8 +19,10 @@ from torch import Tensor
 from lightning_partial.collectives.errors import PartialCollectiveError
 
 # Columns of the per-rank header row.
-COUNT, NEWEST, OLDEST, ACTIVATED, FLUSH, PROGRESS, DROPPED, STOP, DISCOUNT, BUSY = range(10)
-WIDTH = 10
+COUNT, NEWEST, OLDEST, ACTIVATED, FLUSH, PROGRESS, DROPPED, STOP, DISCOUNT, BUSY, FINISH, ANNOUNCED = range(12)
+WIDTH = 12
+# ANNOUNCED holds caller-defined bits (PartialAllreduce.announce), at most this many.
+ANNOUNCE_BITS = 62
 # DISCOUNT holds the gradients' worth that staleness weights withheld, in fixed point
 # (2**-24: exact for mu = 0.5 and tau <= 24, within 6e-8 per contribution otherwise).
 DISCOUNT_SCALE = 1 << 24

@@ -23,7 +23,9 @@ return what the next one needs:
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 import time
 from typing import Any, Callable, Optional, Union
 
@@ -64,6 +66,8 @@ class RoundRunner(EngineGroups):
     _stop_round: Optional[int]
     _waiting_round: Optional[int]
     _stop_requested: bool
+    _finish_requested: bool
+    _announce: int
     _in_round: bool
     _done_events: dict[int, torch.cuda.Event]
     _control: Any
@@ -153,6 +157,9 @@ class RoundRunner(EngineGroups):
             own[header.PROGRESS] = self._step
             own[header.DROPPED] = self._dropped
             own[header.STOP] = int(self._stop_requested)
+            own[header.FINISH] = int(self._finish_requested)
+            own[header.ANNOUNCED] = self._announce  # each announcement rides exactly one round
+            self._announce = 0
             own[header.DISCOUNT] = round(self._weigh(r, deposits) * header.DISCOUNT_SCALE)
             own[header.BUSY] = round(max(self._busy(deposits), 0.0) * header.BUSY_SCALE)
             self._dropped = 0
@@ -233,6 +240,8 @@ class RoundRunner(EngineGroups):
             discounted=tuple(int(d) / header.DISCOUNT_SCALE for d in summed[:, header.DISCOUNT].tolist()),
             busy=tuple(int(b) / header.BUSY_SCALE for b in summed[:, header.BUSY].tolist()),
             stop=bool(summed[:, header.STOP].any()),
+            finish=bool(summed[:, header.FINISH].any()),
+            announced=functools.reduce(operator.or_, (int(a) for a in summed[:, header.ANNOUNCED].tolist()), 0),
             contributions=int(sum(counts)),
             divisor=outcome.divisor,
             activation_latency=ctx.activated - ctx.began,

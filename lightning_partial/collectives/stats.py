@@ -22,6 +22,10 @@ class RoundStats:
             ``sync_every`` round, a round from ``sync_from`` on, or the final flush).
         flush: the round is a final flush.
         stop: some rank requested a stop (``request_stop``): this is the last round.
+        finish: some rank asked every rank to end its fit after this round (``request_finish``);
+            unlike ``stop``, the rounds go on (the final flush among them) until the caller ends.
+        announced: the caller-defined bits that ranks announced with this round (``announce``), OR-ed
+            over the ranks; each announcement is in exactly one round, the same on every rank.
         fresh: ranks whose gradient of this very step was in the round.
         counts: per rank, how many gradients it contributed (0: none).
         staleness: per rank, ``round_index`` minus the step of the newest gradient
@@ -73,6 +77,8 @@ class RoundStats:
     synchronous: bool
     flush: bool
     stop: bool = False
+    finish: bool = False
+    announced: int = 0
     fresh: tuple[int, ...]
     counts: tuple[int, ...]
     staleness: tuple[Optional[int], ...]

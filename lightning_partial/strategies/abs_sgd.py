@@ -84,7 +84,9 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   every_n_train_steps=n)``: a batch may apply two rounds, so a rank can step
   over a multiple of ``n`` that another stops at; the strategy therefore takes
   over that trigger and saves once per multiple passed, at each rank's next
-  batch start. ``train_time_interval`` is refused (each rank's clock differs).
+  batch start. ``train_time_interval`` is rank 0's clock, announced in a round
+  and saved by every rank at its next batch start in the same way
+  (:mod:`~lightning_partial.strategies.agreed_clock`).
 """
 
 from __future__ import annotations
@@ -146,6 +148,14 @@ def check_validation_schedule(trainer: Any) -> None:
     ``sync_dist`` logging, checkpoints and the quiesce barrier would then wait for
     ranks that never come. Epoch ends are agreed rounds: validate there.
     """
+    seconds = _compat.time_validation_interval(trainer)
+    if seconds is not None:
+        raise ValueError(
+            f"abs_sgd: Trainer(val_check_interval=<{seconds:g} s>) validates by time, in the middle of an epoch, "
+            "and each rank runs as many batches as its speed allows, so no batch is the same point on every "
+            "rank. Validate at epoch ends: leave val_check_interval=1.0 (the default) and use "
+            "check_val_every_n_epoch"
+        )
     interval = getattr(trainer, "val_check_interval", 1.0)
     if isinstance(interval, bool) or interval == 1.0 and isinstance(interval, float):
         return
@@ -249,6 +259,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     """
 
     strategy_name = "abs_sgd"
+    agreed_validation = False  # a rank applies a round in its own batch: validation at epoch ends only
     registry_entries = (("abs_sgd", "ABS-SGD: delayed synchronous SGD with adaptive batch sizes", {}),)
     engine_family = "abs_sgd"  # pending gradient sums with sample counts, unapplied results
 
@@ -345,12 +356,6 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self._delay = self._resolve_delay(trainer)
         self._step_checkpoints = []
         for cb in trainer.checkpoint_callbacks:
-            if isinstance(cb, ModelCheckpoint) and cb._train_time_interval:
-                raise ValueError(
-                    "abs_sgd: ModelCheckpoint(train_time_interval=...) saves when each rank's clock says so, at "
-                    "different rounds on different ranks; save every_n_train_steps, at epoch ends "
-                    "(every_n_epochs) or at the end of fit"
-                )
             if isinstance(cb, ModelCheckpoint):
                 every = _compat.take_over_step_checkpoints(cb)
                 if every:
@@ -576,6 +581,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             return
         trainer = self._trainer
         self._save_due_step_checkpoints(trainer)
+        self._clock_at_batch_start()  # time-based saves: once per announcement, in round order on every rank
         if engine.final_round is not None:
             trainer.should_stop = True
             _compat.mark_last_batch(trainer)
@@ -709,6 +715,12 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self._apply(index, optimizer, results, final=True)
         optimizer.zero_grad()
         return results[-1].stats
+
+    @override
+    def _finish_at(self, stats: RoundStats) -> None:
+        """Nothing here: the engine made that round the final one, and the next batch start ends the fit
+        on every rank (``on_train_batch_start``), as at ``max_steps``: each rank applies a round in its own
+        batch, so ``should_stop`` set now would end the ranks at different rounds."""
 
     @override
     def on_train_start(self) -> None:

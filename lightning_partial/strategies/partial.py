@@ -18,6 +18,12 @@ Contract (threads and collectives), common to eager-SGD, WAGMA-SGD and DS-Sync:
   same round ``R``, and every rank raises ``SIGTERMException`` at the start of
   its next batch, with no round after ``R`` left waiting. (In pure ``sync``
   mode, Lightning's own handling is kept.)
+* Decisions by the clock (``max_time``, ``ModelCheckpoint(train_time_interval=...)``,
+  a time-based ``val_check_interval``): rank 0's clock decides, as under DDP,
+  and the decision travels in the next round's header instead of a per-batch
+  broadcast, so every rank acts on it at the same round
+  (:mod:`~lightning_partial.strategies.agreed_clock`). (Pure ``sync`` mode keeps
+  Lightning's own handling.)
 * End of fit (main thread): the subclass's final round (``flush()``) on every
   engine, so nothing computed is lost and all replicas end identical; then one
   allreduce per buffer on the collective group (floating-point buffers averaged,
@@ -54,6 +60,7 @@ from lightning_partial.collectives import PartialAllreduceConfig, PartialCollect
 from lightning_partial.collectives.checks import check_timedelta
 from lightning_partial.collectives.liveness import Heartbeat
 from lightning_partial.collectives.staleness import StalenessWeights
+from lightning_partial.strategies.agreed_clock import AgreedClock
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, gather_engine_states, resume_entry, state_for_rank
 from lightning_partial.strategies.final_sync import check_final_sync, first_sync_round
 from lightning_partial.strategies.fit_state import FitState
@@ -79,6 +86,10 @@ class Engine(Protocol):
     def start(self) -> Any: ...
 
     def request_stop(self) -> None: ...
+
+    def request_finish(self) -> None: ...
+
+    def announce(self, flags: int) -> None: ...
 
     def close(self, timeout: float = 10.0) -> None: ...
 
@@ -133,6 +144,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
     #: arguments)``; :meth:`register_strategies` adds each with ``start_method="popen"``, a
     #: ``<name>_spawn`` twin with ``start_method="spawn"`` and a ``<name>_fork`` twin with ``"fork"``.
     registry_entries: ClassVar[tuple[tuple[str, str, dict[str, Any]], ...]] = ()
+    #: Whether a time-based validation can run at an agreed step: every rank applies round ``r`` in its
+    #: step ``r`` (``abs_sgd``: no; it validates at epoch ends only).
+    agreed_validation: ClassVar[bool] = True
 
     def __init__(
         self, *, collective_timeout: timedelta = timedelta(seconds=60), **kwargs: Unpack[ProcessGroupOptions]
@@ -146,6 +160,8 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         self._store: Optional[dist.Store] = None
         self._heartbeat: Optional[Heartbeat] = None
         self._stopped = False  # a round carried a stop request: every rank stops at it
+        self._finishing = False  # a round carried a finish request: every rank ends its fit at it
+        self._clock: Optional[AgreedClock] = None  # built per fit at train start
         self._previous_sigterm_handler: Any = None
         self._resume_state: Optional[dict[str, Any]] = None  # from load_checkpoint, consumed at start
         self._final_states: dict[int, dict[str, Any]] = {}  # engine states after the final flush
@@ -296,10 +312,15 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             self._engines[index] = engine
             self._params[index] = params
         self._start_heartbeat()
+        self._finishing = False
         if not self.synchronous:
             # A globally synchronous step costs the broadcast nothing extra: keep
-            # Lightning's own SIGTERM handling in pure sync mode.
+            # Lightning's own SIGTERM handling and clock decisions in pure sync mode.
             _compat.replace_sigterm_broadcast(trainer, lambda: self._stopped)
+            if self._engines:
+                self._clock = AgreedClock(rank=self.global_rank, finish=self._request_finish,
+                                          announce=self._announce, validation=self.agreed_validation)
+                self._clock.take_over(trainer)
 
     def _start_heartbeat(self) -> None:
         """This rank's liveness monitor: a peer silent for ``collective_timeout`` fails every engine.
@@ -352,14 +373,48 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         for engine in self._engines.values():
             engine.request_stop()
 
+    def _request_finish(self) -> None:
+        """Rank 0, main thread, at a batch end whose Timer is up: every engine asks every rank to finish."""
+        log.info("rank %d: the training time limit is up; every rank ends its fit at the next round",
+                 self.global_rank)
+        for engine in self._engines.values():
+            engine.request_finish()
+
+    def _announce(self, flags: int) -> None:
+        """Rank 0, main thread: clock decisions for every rank, in the next round of the first engine."""
+        self._engines[min(self._engines)].announce(flags)
+
     def _record(self, index: int, stats: RoundStats) -> None:
         self.round_stats[index] = stats
         for listener in self.round_listeners:
             listener(index, stats)
         if stats.stop:
             self._stopped = True  # the next batch start raises SIGTERMException on every rank
+        if self._clock is not None and stats.announced and self._engines and index == min(self._engines):
+            self._clock.record(stats.announced)
+        if stats.finish and not self._finishing:
+            self._finishing = True
+            self._finish_at(stats)
+
+    def _finish_at(self, stats: RoundStats) -> None:
+        """Every rank, main thread, as it applies the first round that carried a finish request.
+
+        Lightning ends the fit after this batch (``should_stop``, as the Timer would set it): every
+        rank applies round ``r`` in step ``r``, so every rank ends at the same step. A strategy whose
+        ranks apply a round in different batches (``abs_sgd``) ends otherwise.
+        """
+        self._trainer.should_stop = True
 
     # ------------------------------------------------------------- training
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Every rank, main thread: the clock decisions the applied rounds carried (a time-based save)."""
+        self._clock_at_batch_start()
+
+    def _clock_at_batch_start(self) -> None:
+        if self._clock is not None:
+            self._clock.at_batch_start(self._trainer)
+
     @override
     def optimizer_step(
         self,
@@ -464,6 +519,10 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         self._mean_over_ranks([b for b in self.lightning_module.buffers() if b.numel()], "the end-of-fit buffers")
 
     def _close_engines(self) -> None:
+        if self._clock is not None:
+            if self.lightning_module is not None and self.lightning_module._trainer is not None:
+                self._clock.restore(self._trainer)
+            self._clock = None
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None

@@ -76,6 +76,15 @@ class Regressor(L.LightningModule):
         self.sleep_at: tuple[int, int, float] | None = None  # (batch, rank, seconds)
         self.sigterm_at: tuple[int, int] | None = None  # (batch, rank)
         self.exit_at: tuple[int, int] | None = None  # (batch, rank)
+        self.validated_at: list[int] = []  # the global step of each validation (not the sanity check)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)  # collective
+
+    def on_validation_start(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.validated_at.append(self.trainer.global_step)
 
     def training_step(self, batch, batch_idx):
         if self.sleep_at is not None and (batch_idx, self.global_rank) == self.sleep_at[:2]:
@@ -211,6 +220,12 @@ def main() -> None:
     parser.add_argument("--strategy-kw", default="{}", help="JSON keyword arguments of a configured strategy")
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d layer (per-replica buffers)")
     parser.add_argument("--max-epochs", type=int, default=None, help="Trainer(max_epochs); then --steps is ignored")
+    parser.add_argument("--max-time", type=float, default=None,
+                        help="Trainer(max_time=SECONDS) with no step or epoch limit; then --steps is ignored")
+    parser.add_argument("--checkpoint-seconds", type=float, default=None,
+                        help="ModelCheckpoint(train_time_interval=SECONDS, save_top_k=-1) into <out>/ckpt_time")
+    parser.add_argument("--val-seconds", type=float, default=None,
+                        help="Trainer(val_check_interval=SECONDS as a time), 2 validation batches of 16 samples")
     parser.add_argument("--adaptive", action="store_true", help="add an AdaptiveBatchSize(window=4, min_batch_size=2) (abs_sgd)")
     parser.add_argument("--step-scheduler", action="store_true", help="a StepLR stepped per optimizer step")
     parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (the staleness rule reads it)")
@@ -303,6 +318,11 @@ def main() -> None:
 
         checkpoints = ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.checkpoint_every,
                                       save_top_k=-1, save_last=True)
+    if args.checkpoint_seconds is not None:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        checkpoints = ModelCheckpoint(dirpath=args.out / "ckpt_time", save_top_k=-1,
+                                      train_time_interval=timedelta(seconds=args.checkpoint_seconds))
     callbacks = [c for c in (probe, imbalance, tracker, rotation, saver, adaptive, epochs, checkpoints)
                  if c is not None]
 
@@ -329,6 +349,8 @@ def main() -> None:
             },
         }
         record["global_step"] = trainer.global_step
+        record["should_stop"] = trainer.should_stop
+        record["validated_at"] = model.validated_at
         record["changed"] = sorted(k for k, v in model.state_dict().items() if not torch.equal(v, initial[k]))
         weights = getattr(trainer.strategy, "_staleness", {}).get(0)
         record["staleness_weights"] = asdict(weights) if weights is not None else None
@@ -384,8 +406,12 @@ def main() -> None:
         strategy=strategy,
         accelerator="cpu",
         devices=args.devices,
-        max_steps=-1 if args.max_epochs is not None else args.steps,
+        max_steps=-1 if args.max_epochs is not None or args.max_time is not None else args.steps,
         max_epochs=args.max_epochs,
+        max_time=None if args.max_time is None else timedelta(seconds=args.max_time),
+        val_check_interval=1.0 if args.val_seconds is None else timedelta(seconds=args.val_seconds),
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
         reload_dataloaders_every_n_epochs=1 if args.reload_dataloaders else 0,
         callbacks=callbacks,
         logger=loggers or False,
@@ -397,7 +423,8 @@ def main() -> None:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     try:
-        trainer.fit(model, loader, ckpt_path=args.resume)
+        val = None if args.val_seconds is None else DataLoader(torch.utils.data.Subset(dataset, range(64)), batch_size=16)
+        trainer.fit(model, loader, val, ckpt_path=args.resume)
     except SIGTERMException:
         write_stopped(trainer)
     if fork:

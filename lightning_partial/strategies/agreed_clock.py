@@ -1,0 +1,148 @@
+"""Lightning's decisions by the clock, agreed through the rounds instead of a collective per batch.
+
+Three of Lightning's features act when time has passed, and each would make the
+ranks disagree or synchronise every step under a strategy whose ranks reach a
+batch at different times:
+
+* ``Trainer(max_time=...)``: the ``Timer`` broadcasts rank 0's "time is up" at
+  every batch end;
+* ``ModelCheckpoint(train_time_interval=...)``: rank 0's "save now", broadcast
+  at every batch end;
+* ``Trainer(val_check_interval=<a time>)``: each rank validates when its *own*
+  clock says so, with no agreement at all.
+
+A broadcast per batch ties every rank to rank 0's pace (what the strategies
+exist to avoid) and, under ``abs_sgd``, whose ranks run different numbers of
+batches, pairs with another rank's unrelated collective. Here rank 0's clock
+still decides, as under DDP, but its decision travels in the next round's header
+(the engines' ``request_finish`` and ``announce``), so every rank acts on it at
+the same round, with no collective of its own:
+
+* the time limit ends every rank's fit after the step that applies the round
+  (``abs_sgd``: that round becomes the final one, as at ``max_steps``); the end
+  of fit then runs as at any end (the final round: nothing computed is lost);
+* a time-based checkpoint is saved by every rank at the start of the batch after
+  the one that applied the round (``abs_sgd``: as its step checkpoints, once per
+  announcement, in the same order on every rank); one announced in the fit's last
+  step is not taken (the end of fit's own saves are);
+* a time-based validation runs on every rank at the end of the batch that applied
+  the round (the strategies whose rounds are steps; ``abs_sgd`` validates at epoch
+  ends only).
+
+Threads: everything here runs on each rank's main thread; the engines'
+communication threads carry the bits. Pure ``sync`` mode keeps Lightning's own
+handling (a synchronous step costs a broadcast nothing more).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from lightning_partial import _compat
+
+log = logging.getLogger(__name__)
+
+#: The announcement bit of a time-based validation; checkpoint ``i`` (in ``trainer.checkpoint_callbacks``
+#: order among those with a time interval) announces ``1 << (1 + i)``.
+VALIDATE = 1
+_MAX_TIME_CHECKPOINTS = 60  # the engine's ANNOUNCE_BITS, less the validation's bit
+
+
+@dataclass
+class _TimeCheckpoint:
+    callback: Any  # a ModelCheckpoint whose train_time_interval this fit took over
+    interval: float  # seconds
+    bit: int
+    announced: bool = False  # rank 0: announced, not yet saved
+    due: int = 0  # saves that the rounds this rank applied call for
+
+
+class AgreedClock:
+    """One fit's clock decisions (see the module docstring); every rank builds one at train start.
+
+    Args:
+        rank: this rank (only rank 0 reads its clock).
+        finish: asks every rank to end the fit (the engines' ``request_finish``).
+        announce: has every rank see bits in the same round (an engine's ``announce``).
+        validation: whether the strategy can validate at an agreed step (its rounds are its steps).
+    """
+
+    def __init__(self, *, rank: int, finish: Callable[[], None], announce: Callable[[int], None],
+                 validation: bool) -> None:
+        self.rank = rank
+        self._finish = finish
+        self._announce = announce
+        self._validation = validation
+        self._checkpoints: list[_TimeCheckpoint] = []
+        self._validation_interval: Optional[float] = None
+        self._validation_announced = False
+        self._validation_due = False
+        self.timers = 0
+
+    # ------------------------------------------------------------- set-up
+    def take_over(self, trainer: Any) -> None:
+        """Every rank, main thread, at train start: the Timer, time-based checkpoints and validation."""
+        self.timers = _compat.take_over_step_timers(trainer, self._finish)
+        for callback in trainer.checkpoint_callbacks:
+            if len(self._checkpoints) == _MAX_TIME_CHECKPOINTS:
+                raise ValueError(f"at most {_MAX_TIME_CHECKPOINTS} ModelCheckpoint callbacks with a "
+                                 "train_time_interval per fit")
+            interval = _compat.take_over_time_checkpoint(callback)
+            if interval is not None:
+                self._checkpoints.append(_TimeCheckpoint(callback, interval, 1 << (1 + len(self._checkpoints))))
+        if self._validation and _compat.take_over_time_validation(trainer, self._take_validation):
+            self._validation_interval = _compat.time_validation_interval(trainer)
+
+    def restore(self, trainer: Any) -> None:
+        """Every rank, main thread, at the end of fit (or teardown): Lightning's own handling back."""
+        _compat.restore_step_timers(trainer)
+        for checkpoint in self._checkpoints:
+            _compat.restore_time_checkpoint(checkpoint.callback)
+        self._checkpoints.clear()
+        _compat.restore_time_validation(trainer)
+        self._validation_interval = None
+
+    # ------------------------------------------------------------ per batch
+    def at_batch_start(self, trainer: Any) -> None:
+        """Every rank, main thread: the saves that the applied rounds call for; then rank 0 reads its clock."""
+        now = time.monotonic()
+        for checkpoint in self._checkpoints:
+            while checkpoint.due:
+                checkpoint.due -= 1
+                checkpoint.announced = False
+                _compat.save_time_checkpoint(checkpoint.callback, trainer, time.monotonic())
+        if self.rank != 0:
+            return
+        bits = 0
+        for checkpoint in self._checkpoints:
+            if not checkpoint.announced and _compat.time_since_checkpoint(checkpoint.callback, now) >= checkpoint.interval:
+                checkpoint.announced = True
+                bits |= checkpoint.bit
+        interval = self._validation_interval
+        if interval is not None and not self._validation_announced and \
+                _compat.time_since_validation(trainer, now) >= interval:
+            self._validation_announced = True
+            bits |= VALIDATE
+        if bits:
+            self._announce(bits)
+
+    def record(self, announced: int) -> None:
+        """Every rank, main thread, per round applied (of the engine that carries the announcements)."""
+        if not announced:
+            return
+        for checkpoint in self._checkpoints:
+            if announced & checkpoint.bit:
+                checkpoint.due += 1
+        if announced & VALIDATE and self._validation_interval is not None:
+            self._validation_due = True
+
+    def _take_validation(self) -> bool:
+        """The epoch loop's question at a batch end: whether an applied round called for a validation."""
+        if not self._validation_due:
+            return False
+        self._validation_due = False
+        self._validation_announced = False
+        return True

@@ -1,0 +1,110 @@
+"""Lightning's decisions by the clock under every strategy: real 4-process fits launched by Lightning.
+
+``Trainer(max_time=...)``'s ``Timer`` and ``ModelCheckpoint(train_time_interval=...)``
+broadcast rank 0's decision at every batch end; a time-based ``val_check_interval``
+lets each rank validate by its own clock. The strategies carry rank 0's decisions
+in their rounds instead (``lightning_partial.strategies.agreed_clock``): no
+collective runs while the batches run, every rank ends its fit, saves and
+validates at the same round, and the fit ends as at its step limit (the final
+round applies what is pending; the replicas end bit-identical). Under
+``abs_sgd`` the ranks run different numbers of batches, so Lightning's broadcast
+pairs with other collectives: the case these tests were written for.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, resume_entry
+from tests import forkrun
+from tests.test_eager_sgd import FIT_ENV, assert_identical, fit_command
+
+
+def timed_fit(out: Path, strategy: str, *extra: str, seconds: float = 3.0, launch: str = "fork") -> list[dict]:
+    """A 4-process fit of tests/scripts/fit.py with a time limit and no other; the rank records."""
+    command = fit_command(out, "--strategy", strategy, "--max-time", str(seconds), *extra, launch=launch)
+    proc = forkrun.run(command, env=FIT_ENV, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
+
+
+def assert_finished_alike(out: Path, records: list[dict]) -> None:
+    """Every rank stopped by the time limit (not by SIGTERM) after the same optimizer steps, ended with the
+    final round (nothing pending left unapplied), and holds the same weights."""
+    assert not list(out.glob("stopped*")), "the fit raised SIGTERMException"
+    assert all(r["should_stop"] for r in records)
+    assert len({r["global_step"] for r in records}) == 1, [r["global_step"] for r in records]
+    assert records[0]["global_step"] > 0
+    assert all(r["last_round"]["flush"] for r in records)
+    assert len({r["last_round"]["round"] for r in records}) == 1
+    assert_identical(out)
+
+
+def time_checkpoints(out: Path, strategy: str, family: str) -> list[int]:
+    """The global steps of the time-based checkpoints; each holds every rank's engine state at one round."""
+    steps = []
+    for path in sorted((out / "ckpt_time").glob("*.ckpt")):
+        checkpoint = torch.load(path, weights_only=False)
+        entry = resume_entry(checkpoint[CHECKPOINT_KEY], strategy=strategy, family=family, source=path)
+        assert entry is not None and entry["world_size"] == 4
+        steps.append(int(checkpoint["global_step"]))
+    return sorted(steps)
+
+
+@pytest.mark.timeout(300)
+def test_eager_sgd_runs_no_collective_per_batch_and_every_rank_ends_at_the_same_step(tmp_path):
+    """Solo rounds with a straggler per batch, the script launcher (what torchrun users run) and the
+    collective spy: from the first batch start to the last batch end no collective ran on any group (under
+    Lightning's own Timer, one broadcast per batch)."""
+    out = tmp_path / "run"
+    records = timed_fit(out, "eager_sgd", "--straggle-ms", "10", "--spy", launch="popen")
+    assert_finished_alike(out, records)
+    for rec in records:
+        assert rec["collectives_at_batch_end"][-1] == 0, rec["collective_names"]
+
+
+@pytest.mark.timeout(300)
+def test_eager_sgd_saves_and_validates_by_rank_0s_clock_at_the_same_step(tmp_path):
+    """Time-based checkpoints and validation (its ``sync_dist`` logging is a collective): every rank
+    validates at the same global steps, each checkpoint is a consistent cut, and there are several of each
+    in a 4 s fit with 1 s intervals."""
+    out = tmp_path / "run"
+    records = timed_fit(out, "eager_sgd", "--straggle-ms", "10", "--checkpoint-seconds", "1",
+                        "--val-seconds", "1", seconds=4.0)
+    assert_finished_alike(out, records)
+    validated = [r["validated_at"] for r in records]
+    assert all(v == validated[0] for v in validated), validated
+    assert len(validated[0]) >= 2, validated
+    steps = time_checkpoints(out, "eager_sgd", "gradients")
+    assert len(steps) >= 2 and len(set(steps)) == len(steps), steps
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["wagma_sgd", "ds_sync"])
+def test_model_averaging_ends_and_validates_at_the_same_step(tmp_path, strategy):
+    out = tmp_path / "run"
+    records = timed_fit(out, strategy, "--straggle-ms", "10", "--val-seconds", "1")
+    assert_finished_alike(out, records)
+    validated = [r["validated_at"] for r in records]
+    assert all(v == validated[0] for v in validated) and validated[0], validated
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("delay", [1, 0])
+def test_abs_sgd_ends_and_saves_at_the_same_round_whatever_its_batches(tmp_path, delay):
+    """Speeds 1, 1, 0.5, 0.25: with the delay the fast ranks run more micro-batches than the slow ones, so
+    their batch ends differ; the time limit ends every rank's fit at the same round (as ``max_steps``) and
+    each time-based checkpoint is a consistent cut, saved once by every rank."""
+    out = tmp_path / "run"
+    records = timed_fit(out, "abs_sgd", "--speed", "1,1,0.5,0.25", "--checkpoint-seconds", "1",
+                        "--strategy-kw", json.dumps({"delay": delay}), seconds=4.0)
+    assert_finished_alike(out, records)
+    if delay == 1:
+        batches = [sum(r["epoch_batches"]) for r in records]
+        assert batches[0] > batches[3], batches  # the case Lightning's per-batch broadcast cannot pair
+    steps = time_checkpoints(out, "abs_sgd", "abs_sgd")
+    assert len(steps) >= 2, steps
