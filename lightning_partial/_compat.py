@@ -113,8 +113,6 @@ def replace_sigterm_broadcast(trainer: object, stop_requested: Callable[[], bool
 
 # Set on a Timer taken over for this fit: whether this rank has requested the finish.
 _TIMER_MARK = "_lightning_partial_finish_requested"
-# Set on a ModelCheckpoint whose time interval is taken over for this fit: the interval.
-_INTERVAL_MARK = "_lightning_partial_train_time_interval"
 
 
 def take_over_step_timers(trainer: Any, request_finish: Callable[[], None]) -> int:
@@ -144,6 +142,8 @@ def take_over_step_timers(trainer: Any, request_finish: Callable[[], None]) -> i
         def on_train_batch_end(trainer: Any, *args: Any, _timer: Any = callback, **kwargs: Any) -> None:
             if trainer.global_rank != 0 or getattr(_timer, _TIMER_MARK):
                 return
+            if not getattr(trainer.fit_loop, "_can_stop_early", True):
+                return  # min_steps / min_epochs not met: Lightning would go on anyway (asked again next batch)
             if _timer.time_elapsed() >= _timer._duration:
                 setattr(_timer, _TIMER_MARK, True)  # requested once
                 request_finish()
@@ -163,41 +163,6 @@ def restore_step_timers(trainer: Any) -> None:
         if _TIMER_MARK in callback.__dict__:
             del callback.__dict__[_TIMER_MARK]
             callback.__dict__.pop("on_train_batch_end", None)
-
-
-def take_over_time_checkpoint(callback: Any) -> Optional[float]:
-    """Stops ``ModelCheckpoint`` ``callback`` saving by its ``train_time_interval`` itself; returns the interval
-    in seconds (``None``: it has none). :func:`restore_time_checkpoint` gives it back.
-
-    Lightning decides such a save with rank 0's clock and broadcasts the decision at
-    every batch end (a collective per step, as the ``Timer``'s). Its other triggers
-    (steps, epoch ends, validation) are left as they are.
-    """
-    interval = getattr(callback, "_train_time_interval", None)
-    if interval is None:
-        return None
-    callback.__dict__[_INTERVAL_MARK] = interval
-    callback._train_time_interval = None
-    return float(interval.total_seconds())
-
-
-def restore_time_checkpoint(callback: Any) -> None:
-    """Undoes :func:`take_over_time_checkpoint`."""
-    if _INTERVAL_MARK in callback.__dict__:
-        callback._train_time_interval = callback.__dict__.pop(_INTERVAL_MARK)
-
-
-def time_since_checkpoint(callback: Any, now: float) -> float:
-    """Seconds since ``callback`` last saved by time (Lightning's clock: set at train start and at each such save)."""
-    last = getattr(callback, "_last_time_checked", None)
-    return 0.0 if last is None else now - last
-
-
-def save_time_checkpoint(callback: Any, trainer: Any, now: float) -> None:
-    """What ``ModelCheckpoint.on_train_batch_end`` does when its time interval is up: top-k and ``last``,
-    and its clock restarted."""
-    callback._last_time_checked = now
-    save_step_checkpoint(callback, trainer)
 
 
 def time_validation_interval(trainer: Any) -> Optional[float]:
@@ -350,15 +315,94 @@ def before_optimizer_step(precision_plugin: Any, model: Any, optimizer: Any) -> 
     precision_plugin._after_closure(model, optimizer)
 
 
+# The ModelCheckpoint attributes whose batch-end saves a strategy takes over, and their "off" values.
+_BATCH_END_TRIGGERS = {"_every_n_train_steps": 0, "_train_time_interval": None}
+# Set on a ModelCheckpoint whose batch-end hook is wrapped for this fit: the triggers it runs without.
+_QUIET_MARK = "_lightning_partial_quiet_triggers"
+
+
+def _quiet_batch_end(callback: Any, trigger: str) -> None:
+    """Runs ``callback``'s ``on_train_batch_end`` with ``trigger`` off (added to those already off).
+
+    Only the hook sees the trigger off: the attribute keeps its value everywhere
+    else, so ``ModelCheckpoint.state_key`` (the key of its state in a checkpoint,
+    built from these attributes) stays the user's, and a resumed fit finds it.
+    """
+    quiet = callback.__dict__.get(_QUIET_MARK)
+    if quiet is None:
+        quiet = callback.__dict__[_QUIET_MARK] = set()
+        hook = type(callback).on_train_batch_end
+
+        def on_train_batch_end(*args: Any, **kwargs: Any) -> None:
+            kept = {name: getattr(callback, name) for name in quiet}
+            for name in quiet:
+                setattr(callback, name, _BATCH_END_TRIGGERS[name])
+            try:
+                hook(callback, *args, **kwargs)
+            finally:
+                for name, value in kept.items():
+                    setattr(callback, name, value)
+
+        callback.on_train_batch_end = on_train_batch_end  # shadows the method for this fit
+    quiet.add(trigger)
+
+
 def take_over_step_checkpoints(callback: Any) -> int:
     """Stops ``ModelCheckpoint`` ``callback`` saving by ``global_step % n`` itself; returns ``n`` (0: none).
 
-    Its other triggers (epoch ends, validation) are left as they are.
+    Its other triggers (epoch ends, validation) are left as they are;
+    :func:`restore_checkpoint_triggers` gives it back.
     """
     every = int(getattr(callback, "_every_n_train_steps", 0) or 0)
     if every > 0:
-        callback._every_n_train_steps = 0
+        _quiet_batch_end(callback, "_every_n_train_steps")
     return every
+
+
+def take_over_time_checkpoint(callback: Any) -> Optional[float]:
+    """Stops ``ModelCheckpoint`` ``callback`` saving by its ``train_time_interval`` itself; returns the interval
+    in seconds (``None``: it has none). :func:`restore_checkpoint_triggers` gives it back.
+
+    Lightning decides such a save with rank 0's clock and broadcasts the decision at
+    every batch end (a collective per step, as the ``Timer``'s). Its other triggers
+    (steps, epoch ends, validation) are left as they are.
+    """
+    interval = getattr(callback, "_train_time_interval", None)
+    if interval is None:
+        return None
+    _quiet_batch_end(callback, "_train_time_interval")
+    return float(interval.total_seconds())
+
+
+def restore_checkpoint_triggers(callback: Any) -> None:
+    """Undoes :func:`take_over_step_checkpoints` and :func:`take_over_time_checkpoint` (idempotent)."""
+    if callback.__dict__.pop(_QUIET_MARK, None) is not None:
+        callback.__dict__.pop("on_train_batch_end", None)
+
+
+def time_since_checkpoint(callback: Any, now: float) -> float:
+    """Seconds since ``callback`` last saved by time (Lightning's clock: set at train start and at each such save)."""
+    last = getattr(callback, "_last_time_checked", None)
+    return 0.0 if last is None else now - last
+
+
+def save_time_checkpoint(callback: Any, trainer: Any, now: float, *, skip_same_step: bool) -> None:
+    """What ``ModelCheckpoint.on_train_batch_end`` does when its time interval is up (automatic optimization).
+
+    Its clock restarts; with a ``monitor`` not logged yet, the save waits for the
+    end of the next validation (Lightning's deferral); otherwise top-k and ``last``.
+    ``skip_same_step``: not at a global step it has saved at already (Lightning's
+    own check, which only holds where every rank is at the same global step).
+    """
+    callback._last_time_checked = now
+    if skip_same_step and callback._last_global_step_saved == trainer.global_step:
+        return
+    candidates = callback._monitor_candidates(trainer)
+    if callback.monitor is not None and callback.monitor not in candidates:
+        callback._defer_save_until_validation = True
+        return
+    callback._save_topk_checkpoint(trainer, candidates)
+    callback._save_last_checkpoint(trainer, candidates)
 
 
 def save_step_checkpoint(callback: Any, trainer: Any) -> None:

@@ -45,7 +45,8 @@ def assert_finished_alike(out: Path, records: list[dict]) -> None:
 
 
 def time_checkpoints(out: Path, strategy: str, family: str) -> list[int]:
-    """The global steps of the time-based checkpoints; each holds every rank's engine state at one round."""
+    """The global steps of the time-based checkpoints, sorted; each holds every rank's engine state at one
+    round (``resume_entry`` refuses one saved while the ranks were at different rounds)."""
     steps = []
     for path in sorted((out / "ckpt_time").glob("*.ckpt")):
         checkpoint = torch.load(path, weights_only=False)
@@ -56,12 +57,13 @@ def time_checkpoints(out: Path, strategy: str, family: str) -> list[int]:
 
 
 @pytest.mark.timeout(300)
-def test_eager_sgd_runs_no_collective_per_batch_and_every_rank_ends_at_the_same_step(tmp_path):
-    """Solo rounds with a straggler per batch, the script launcher (what torchrun users run) and the
-    collective spy: from the first batch start to the last batch end no collective ran on any group (under
-    Lightning's own Timer, one broadcast per batch)."""
+@pytest.mark.parametrize("strategy", ["eager_sgd", "wagma_sgd"])
+def test_a_time_limit_runs_no_collective_per_batch_and_every_rank_ends_at_the_same_step(tmp_path, strategy):
+    """A straggler per batch, the script launcher (what torchrun users run) and the collective spy: from the
+    first batch start to the last batch end no collective ran on any group (under Lightning's own Timer,
+    one broadcast per batch)."""
     out = tmp_path / "run"
-    records = timed_fit(out, "eager_sgd", "--straggle-ms", "10", "--spy", launch="popen")
+    records = timed_fit(out, strategy, "--straggle-ms", "10", "--spy", launch="popen")
     assert_finished_alike(out, records)
     for rec in records:
         assert rec["collectives_at_batch_end"][-1] == 0, rec["collective_names"]
@@ -69,42 +71,50 @@ def test_eager_sgd_runs_no_collective_per_batch_and_every_rank_ends_at_the_same_
 
 @pytest.mark.timeout(300)
 def test_eager_sgd_saves_and_validates_by_rank_0s_clock_at_the_same_step(tmp_path):
-    """Time-based checkpoints and validation (its ``sync_dist`` logging is a collective): every rank
-    validates at the same global steps, each checkpoint is a consistent cut, and there are several of each
-    in a 4 s fit with 1 s intervals."""
+    """Time-based checkpoints and validation (its ``sync_dist`` logging is a collective), 0.5 s intervals in a
+    4 s fit: every rank validates and saves at the same global steps, several times, and each checkpoint file
+    is a consistent cut (every rank's engine state at one round)."""
     out = tmp_path / "run"
-    records = timed_fit(out, "eager_sgd", "--straggle-ms", "10", "--checkpoint-seconds", "1",
-                        "--val-seconds", "1", seconds=4.0)
+    records = timed_fit(out, "eager_sgd", "--straggle-ms", "10", "--checkpoint-seconds", "0.5",
+                        "--val-seconds", "0.5", seconds=4.0)
     assert_finished_alike(out, records)
     validated = [r["validated_at"] for r in records]
     assert all(v == validated[0] for v in validated), validated
-    assert len(validated[0]) >= 2, validated
-    steps = time_checkpoints(out, "eager_sgd", "gradients")
-    assert len(steps) >= 2 and len(set(steps)) == len(steps), steps
+    assert any(step < records[0]["global_step"] for step in validated[0]), validated  # not only the last
+    saved = [r["saved_at"] for r in records]
+    assert all(s == saved[0] for s in saved) and len(saved[0]) >= 2, saved
+    assert time_checkpoints(out, "eager_sgd", "gradients") == sorted(saved[0])
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["wagma_sgd", "ds_sync"])
-def test_model_averaging_ends_and_validates_at_the_same_step(tmp_path, strategy):
+def test_ds_sync_validates_at_the_same_steps(tmp_path):
     out = tmp_path / "run"
-    records = timed_fit(out, strategy, "--straggle-ms", "10", "--val-seconds", "1")
+    records = timed_fit(out, "ds_sync", "--straggle-ms", "10", "--val-seconds", "0.5")
     assert_finished_alike(out, records)
     validated = [r["validated_at"] for r in records]
-    assert all(v == validated[0] for v in validated) and validated[0], validated
+    assert all(v == validated[0] for v in validated), validated
+    assert any(step < records[0]["global_step"] for step in validated[0]), validated
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("delay", [1, 0])
 def test_abs_sgd_ends_and_saves_at_the_same_round_whatever_its_batches(tmp_path, delay):
     """Speeds 1, 1, 0.5, 0.25: with the delay the fast ranks run more micro-batches than the slow ones, so
-    their batch ends differ; the time limit ends every rank's fit at the same round (as ``max_steps``) and
-    each time-based checkpoint is a consistent cut, saved once by every rank."""
+    their batch ends differ; the time limit ends every rank's fit at the same round (as ``max_steps``), and
+    every rank takes part in every save, time-based and every 7 steps, in the same order (the rounds'),
+    however the rounds fell into its batches (each file a consistent cut)."""
     out = tmp_path / "run"
-    records = timed_fit(out, "abs_sgd", "--speed", "1,1,0.5,0.25", "--checkpoint-seconds", "1",
-                        "--strategy-kw", json.dumps({"delay": delay}), seconds=4.0)
+    records = timed_fit(out, "abs_sgd", "--speed", "1,1,0.5,0.25", "--checkpoint-seconds", "0.5",
+                        "--checkpoint-every", "7", "--strategy-kw", json.dumps({"delay": delay}), seconds=4.0)
     assert_finished_alike(out, records)
     if delay == 1:
         batches = [sum(r["epoch_batches"]) for r in records]
         assert batches[0] > batches[3], batches  # the case Lightning's per-batch broadcast cannot pair
-    steps = time_checkpoints(out, "abs_sgd", "abs_sgd")
-    assert len(steps) >= 2, steps
+    # Every rank takes part in every save (a rank's own global step at a save may differ: the cut is the
+    # engines', made consistent by the save's quiesce).
+    saved = [r["saved_at"] for r in records]
+    assert len({len(s) for s in saved}) == 1, saved
+    timed = time_checkpoints(out, "abs_sgd", "abs_sgd")
+    assert len(timed) >= 2, timed
+    by_steps = [p for p in (out / "ckpt").glob("*.ckpt") if p.name != "last.ckpt"]
+    assert by_steps and len(timed) + len(by_steps) <= len(saved[0])

@@ -358,3 +358,36 @@ def test_the_synchronous_finish_covers_the_last_fraction_of_the_steps(caplog):
         assert not caplog.records
         assert first_sync_round(0.1, float("inf"), owner="wagma_sgd", rank=0) is None
     assert "wagma_sgd: final_sync=0.1 needs the fit's length" in caplog.text
+
+
+@pytest.mark.parametrize("steps", [False, True])
+def test_a_checkpoint_trigger_taken_over_keeps_its_state_key_and_saves_nothing_by_itself(tmp_path, steps):
+    """The batch-end hook runs with the trigger off (no broadcast, no save), while the attribute, and with it
+    the key of the callback's state in a checkpoint, stays the user's; restoring gives the hook back."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from lightning_partial import _compat
+
+    kw = {"every_n_train_steps": 3} if steps else {"train_time_interval": timedelta(seconds=0)}
+    callback = ModelCheckpoint(dirpath=tmp_path, **kw)
+    key = callback.state_key
+    if steps:
+        assert _compat.take_over_step_checkpoints(callback) == 3
+    else:
+        assert _compat.take_over_time_checkpoint(callback) == 0.0
+    assert callback.state_key == key
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the hook issued a collective or saved")
+
+    trainer = SimpleNamespace(fast_dev_run=False, state=SimpleNamespace(fn=TrainerFn.FITTING), sanity_checking=False,
+                              global_step=3, strategy=SimpleNamespace(broadcast=refuse), save_checkpoint=refuse)
+    callback._last_time_checked = 0.0  # a time-based save would be long due
+    callback.on_train_batch_end(trainer, SimpleNamespace(automatic_optimization=True), None, None, 0)
+    assert callback.state_key == key
+    _compat.restore_checkpoint_triggers(callback)
+    assert "on_train_batch_end" not in callback.__dict__ and callback.state_key == key

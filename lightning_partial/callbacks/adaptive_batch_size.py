@@ -33,7 +33,7 @@ of ``B * sum_j s_j / max_j s_j`` samples: under speeds 1, 1, 0.5, 0.25 and
 micro-batch exceeds its rank's loader batch, and the count is the same on
 every rank, so the ranks run their batches in lock-step: a collective that
 every rank issues once per batch (``sync_dist`` logging, ``all_gather``, a
-``max_time`` Timer's broadcast) pairs the same batches (with a count per
+user's ``barrier``) pairs the same batches (with a count per
 rank, a rank holding a micro-batch would wait in it for a rank waiting in
 the round, until the timeout). What the shared count costs: the rank with
 the largest share relative to its loader batch sets ``n`` (loaders of 64, 64,
@@ -178,7 +178,7 @@ class AdaptiveBatchSize(Callback):
         holds about ``R`` (the strategy's step: one allreduce per step, as DDP's). Every rank runs ``n =
         max_j ceil(q_j / B_j)`` micro-batches of ``round(q_i / n)`` samples: never larger than its loader's
         batch ``B_i`` (memory), and the ranks' batches stay in lock-step, so a collective that every rank issues once
-        per batch (``sync_dist`` logging, a ``max_time`` Timer's broadcast) pairs the same batches on every
+        per batch (``sync_dist`` logging, a user's ``barrier``) pairs the same batches on every
         rank, as with one micro-batch per round.
         """
         assert self.bases is not None

@@ -25,7 +25,7 @@ Contract:
   with ``log_every_n_steps=0``: a ``ModelCheckpoint`` or ``EarlyStopping``
   monitoring one needs a written batch), and a stop requested after this
   callback's hook (a later callback's; ``max_time`` under these strategies
-  stops in the step, before) writes its last batch without its figures; :attr:`last`
+  stops in the step, before, but in pure ``mode="sync"``) writes its last batch without its figures; :attr:`last`
   and :attr:`summary` always hold every round. Any Lightning logger (CSV, TensorBoard,
   W&B) receives them (loggers write rank 0's view; only ``wait_ms``, ``skipped`` and
   ``step_lag`` differ between ranks); no collective.

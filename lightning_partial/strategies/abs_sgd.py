@@ -133,11 +133,11 @@ DELAYS: tuple[Union[int, str], ...] = (0, 1, "auto")
 
 @dataclass
 class _StepCheckpoint:
-    """A ``ModelCheckpoint(every_n_train_steps=every)`` that the strategy triggers; ``saved``: multiples saved."""
+    """A ``ModelCheckpoint(every_n_train_steps=every)`` that the strategy triggers; ``queued``: multiples queued."""
 
     callback: ModelCheckpoint
     every: int
-    saved: int = 0
+    queued: int = 0
 
 
 def check_validation_schedule(trainer: Any) -> None:
@@ -259,7 +259,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     """
 
     strategy_name = "abs_sgd"
-    agreed_validation = False  # a rank applies a round in its own batch: validation at epoch ends only
+    lockstep = False  # a rank applies a round in its own batch: validation at epoch ends only
     registry_entries = (("abs_sgd", "ABS-SGD: delayed synchronous SGD with adaptive batch sizes", {}),)
     engine_family = "abs_sgd"  # pending gradient sums with sample counts, unapplied results
 
@@ -580,8 +580,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         if engine is None:
             return
         trainer = self._trainer
-        self._save_due_step_checkpoints(trainer)
-        self._clock_at_batch_start()  # time-based saves: once per announcement, in round order on every rank
+        super().on_train_batch_start(batch, batch_idx)  # the queued saves (step and time), in round order
         if engine.final_round is not None:
             trainer.should_stop = True
             _compat.mark_last_batch(trainer)
@@ -683,6 +682,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             if not final:
                 # Per optimizer step, not per batch: every rank then steps its schedulers at the same rounds.
                 _compat.step_round_schedulers(self._trainer, optimizer, accumulator.steps(index) - 1)
+                self._queue_step_saves(self._trainer.global_step + steps)  # Lightning adds this batch's steps later
         return steps
 
     # ------------------------------------------------------------- agreement
@@ -731,34 +731,40 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         if self._engines:
             _compat.step_schedulers_by_rounds(trainer)
         for trigger in self._step_checkpoints:
-            trigger.saved = trainer.global_step // trigger.every  # a resumed fit: the multiples before it are saved
+            trigger.queued = trainer.global_step // trigger.every  # a resumed fit: the multiples before it are saved
 
-    def _save_due_step_checkpoints(self, trainer: "pl.Trainer") -> None:
-        """Every rank, main thread, at a batch start (and the end of fit): one save per multiple of ``n`` passed.
+    def _queue_step_saves(self, global_step: int) -> None:
+        """Every rank, main thread, after an optimizer step that brought ``global_step`` to this value: one save
+        per multiple of ``n`` passed, queued behind the saves of earlier rounds.
 
         ``ModelCheckpoint(every_n_train_steps=n)`` saves when ``global_step % n == 0`` at a
         batch end. Under abs_sgd a batch may apply two rounds, so a rank can step over a
         multiple that another rank stops at, and a save (collective: its quiesce and the
-        engines' gather) would wait for ranks that never come. Here each rank saves once for
-        every multiple its ``global_step`` has passed, at its next batch start: the same
-        saves, in the same order, on every rank; each quiesces the engines (``save_checkpoint``),
-        so the file is a consistent cut whatever step each rank had reached.
+        engines' gather) would wait for ranks that never come. Here each rank queues a save
+        for every multiple as the round that reaches it is applied, beside the time-based
+        saves the rounds announce (``PartialStrategy._record``), and runs the queue at its
+        next batch start (or the end of fit): the same saves, in the rounds' order, on every
+        rank, however the rounds fell into its batches; each quiesces the engines
+        (``save_checkpoint``), so the file is a consistent cut whatever step each rank had reached.
         """
         for trigger in self._step_checkpoints:
-            while trigger.saved < trainer.global_step // trigger.every:
-                trigger.saved += 1
-                _compat.save_step_checkpoint(trigger.callback, trainer)
+            while trigger.queued < global_step // trigger.every:
+                trigger.queued += 1
+                self._pending_saves.append(
+                    lambda callback=trigger.callback: _compat.save_step_checkpoint(callback, self._trainer))
 
     @override
     def on_train_end(self) -> None:
         if not self._stopped and self._engines:
-            self._save_due_step_checkpoints(self._trainer)
+            self._run_pending_saves()  # before the quiesce: every rank has applied the same rounds here
             self._last_rounds = self._quiesce()
         _compat.restore_scheduler_stepping(self._trainer)
         super().on_train_end()
 
     @override
     def teardown(self) -> None:
+        for trigger in self._step_checkpoints:
+            _compat.restore_checkpoint_triggers(trigger.callback)  # the user's callback as it came
         if self._user_sampler is not None:  # the user's sampler leaves this fit at the size it came with
             sampler, size = self._user_sampler
             sampler.batch_size = size

@@ -22,9 +22,10 @@ the same round, with no collective of its own:
   (``abs_sgd``: that round becomes the final one, as at ``max_steps``); the end
   of fit then runs as at any end (the final round: nothing computed is lost);
 * a time-based checkpoint is saved by every rank at the start of the batch after
-  the one that applied the round (``abs_sgd``: as its step checkpoints, once per
-  announcement, in the same order on every rank); one announced in the fit's last
-  step is not taken (the end of fit's own saves are);
+  the one that applied the round, or at the end of fit if that comes first
+  (the strategy's queue of saves, in round order: under ``abs_sgd`` a rank
+  applies a round in its own batch, so the saves keep the rounds' order, step
+  checkpoints included);
 * a time-based validation runs on every rank at the end of the batch that applied
   the round (the strategies whose rounds are steps; ``abs_sgd`` validates at epoch
   ends only).
@@ -52,12 +53,13 @@ _MAX_TIME_CHECKPOINTS = 60  # the engine's ANNOUNCE_BITS, less the validation's 
 
 
 @dataclass
-class _TimeCheckpoint:
-    callback: Any  # a ModelCheckpoint whose train_time_interval this fit took over
+class TimeCheckpoint:
+    """A ``ModelCheckpoint`` whose ``train_time_interval`` this fit took over."""
+
+    callback: Any
     interval: float  # seconds
     bit: int
     announced: bool = False  # rank 0: announced, not yet saved
-    due: int = 0  # saves that the rounds this rank applied call for
 
 
 class AgreedClock:
@@ -67,16 +69,18 @@ class AgreedClock:
         rank: this rank (only rank 0 reads its clock).
         finish: asks every rank to end the fit (the engines' ``request_finish``).
         announce: has every rank see bits in the same round (an engine's ``announce``).
-        validation: whether the strategy can validate at an agreed step (its rounds are its steps).
+        lockstep: every rank applies round ``r`` in its step ``r``: a time-based validation
+            can run at an agreed step, and a save can skip a step saved already (Lightning's
+            check; under ``abs_sgd`` the ranks' global steps differ at a save).
     """
 
     def __init__(self, *, rank: int, finish: Callable[[], None], announce: Callable[[int], None],
-                 validation: bool) -> None:
+                 lockstep: bool) -> None:
         self.rank = rank
         self._finish = finish
         self._announce = announce
-        self._validation = validation
-        self._checkpoints: list[_TimeCheckpoint] = []
+        self._lockstep = lockstep
+        self.checkpoints: list[TimeCheckpoint] = []
         self._validation_interval: Optional[float] = None
         self._validation_announced = False
         self._validation_due = False
@@ -84,40 +88,42 @@ class AgreedClock:
 
     # ------------------------------------------------------------- set-up
     def take_over(self, trainer: Any) -> None:
-        """Every rank, main thread, at train start: the Timer, time-based checkpoints and validation."""
+        """Every rank, main thread, at train start: the Timer, time-based checkpoints and validation.
+
+        Under manual optimization Lightning saves by time never (its hook checks steps only), and so
+        do these strategies.
+        """
         self.timers = _compat.take_over_step_timers(trainer, self._finish)
-        for callback in trainer.checkpoint_callbacks:
-            if len(self._checkpoints) == _MAX_TIME_CHECKPOINTS:
-                raise ValueError(f"at most {_MAX_TIME_CHECKPOINTS} ModelCheckpoint callbacks with a "
-                                 "train_time_interval per fit")
-            interval = _compat.take_over_time_checkpoint(callback)
-            if interval is not None:
-                self._checkpoints.append(_TimeCheckpoint(callback, interval, 1 << (1 + len(self._checkpoints))))
-        if self._validation and _compat.take_over_time_validation(trainer, self._take_validation):
+        if trainer.lightning_module.automatic_optimization:
+            for callback in trainer.checkpoint_callbacks:
+                if getattr(callback, "_train_time_interval", None) is None:
+                    continue
+                if len(self.checkpoints) == _MAX_TIME_CHECKPOINTS:
+                    raise ValueError(f"at most {_MAX_TIME_CHECKPOINTS} ModelCheckpoint callbacks with a "
+                                     "train_time_interval per fit")
+                interval = _compat.take_over_time_checkpoint(callback)
+                assert interval is not None
+                self.checkpoints.append(TimeCheckpoint(callback, interval, 1 << (1 + len(self.checkpoints))))
+        if self._lockstep and _compat.take_over_time_validation(trainer, self._take_validation):
             self._validation_interval = _compat.time_validation_interval(trainer)
 
     def restore(self, trainer: Any) -> None:
         """Every rank, main thread, at the end of fit (or teardown): Lightning's own handling back."""
         _compat.restore_step_timers(trainer)
-        for checkpoint in self._checkpoints:
-            _compat.restore_time_checkpoint(checkpoint.callback)
-        self._checkpoints.clear()
+        for checkpoint in self.checkpoints:
+            _compat.restore_checkpoint_triggers(checkpoint.callback)
+        self.checkpoints.clear()
         _compat.restore_time_validation(trainer)
         self._validation_interval = None
 
     # ------------------------------------------------------------ per batch
     def at_batch_start(self, trainer: Any) -> None:
-        """Every rank, main thread: the saves that the applied rounds call for; then rank 0 reads its clock."""
-        now = time.monotonic()
-        for checkpoint in self._checkpoints:
-            while checkpoint.due:
-                checkpoint.due -= 1
-                checkpoint.announced = False
-                _compat.save_time_checkpoint(checkpoint.callback, trainer, time.monotonic())
+        """Rank 0, main thread: announces what its clock says is due (others: nothing)."""
         if self.rank != 0:
             return
+        now = time.monotonic()
         bits = 0
-        for checkpoint in self._checkpoints:
+        for checkpoint in self.checkpoints:
             if not checkpoint.announced and _compat.time_since_checkpoint(checkpoint.callback, now) >= checkpoint.interval:
                 checkpoint.announced = True
                 bits |= checkpoint.bit
@@ -129,15 +135,17 @@ class AgreedClock:
         if bits:
             self._announce(bits)
 
-    def record(self, announced: int) -> None:
-        """Every rank, main thread, per round applied (of the engine that carries the announcements)."""
-        if not announced:
-            return
-        for checkpoint in self._checkpoints:
-            if announced & checkpoint.bit:
-                checkpoint.due += 1
+    def record(self, announced: int) -> list[TimeCheckpoint]:
+        """Every rank, main thread, per round applied (of the engine that carries the announcements): the
+        time-based saves it calls for (the caller queues them); a validation it calls for is noted."""
         if announced & VALIDATE and self._validation_interval is not None:
             self._validation_due = True
+        return [checkpoint for checkpoint in self.checkpoints if announced & checkpoint.bit]
+
+    def save(self, trainer: Any, checkpoint: TimeCheckpoint) -> None:
+        """Every rank, main thread, where the strategy's queue of saves reaches it: the time-based save."""
+        checkpoint.announced = False
+        _compat.save_time_checkpoint(checkpoint.callback, trainer, time.monotonic(), skip_same_step=self._lockstep)
 
     def _take_validation(self) -> bool:
         """The epoch loop's question at a batch end: whether an applied round called for a validation."""

@@ -144,9 +144,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
     #: arguments)``; :meth:`register_strategies` adds each with ``start_method="popen"``, a
     #: ``<name>_spawn`` twin with ``start_method="spawn"`` and a ``<name>_fork`` twin with ``"fork"``.
     registry_entries: ClassVar[tuple[tuple[str, str, dict[str, Any]], ...]] = ()
-    #: Whether a time-based validation can run at an agreed step: every rank applies round ``r`` in its
-    #: step ``r`` (``abs_sgd``: no; it validates at epoch ends only).
-    agreed_validation: ClassVar[bool] = True
+    #: Whether every rank applies round ``r`` in its step ``r`` (the same batch on every rank): then a
+    #: time-based validation can run at an agreed step (``abs_sgd``: no; it validates at epoch ends only).
+    lockstep: ClassVar[bool] = True
 
     def __init__(
         self, *, collective_timeout: timedelta = timedelta(seconds=60), **kwargs: Unpack[ProcessGroupOptions]
@@ -162,6 +162,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         self._stopped = False  # a round carried a stop request: every rank stops at it
         self._finishing = False  # a round carried a finish request: every rank ends its fit at it
         self._clock: Optional[AgreedClock] = None  # built per fit at train start
+        # Checkpoint saves that applied rounds called for, in round order (every rank queues the same ones
+        # in the same order); run at the next batch start or the end of fit (main thread).
+        self._pending_saves: list[Callable[[], None]] = []
         self._previous_sigterm_handler: Any = None
         self._resume_state: Optional[dict[str, Any]] = None  # from load_checkpoint, consumed at start
         self._final_states: dict[int, dict[str, Any]] = {}  # engine states after the final flush
@@ -313,13 +316,14 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             self._params[index] = params
         self._start_heartbeat()
         self._finishing = False
+        self._pending_saves = []
         if not self.synchronous:
             # A globally synchronous step costs the broadcast nothing extra: keep
             # Lightning's own SIGTERM handling and clock decisions in pure sync mode.
             _compat.replace_sigterm_broadcast(trainer, lambda: self._stopped)
             if self._engines:
                 self._clock = AgreedClock(rank=self.global_rank, finish=self._request_finish,
-                                          announce=self._announce, validation=self.agreed_validation)
+                                          announce=self._announce, lockstep=self.lockstep)
                 self._clock.take_over(trainer)
 
     def _start_heartbeat(self) -> None:
@@ -390,8 +394,10 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             listener(index, stats)
         if stats.stop:
             self._stopped = True  # the next batch start raises SIGTERMException on every rank
-        if self._clock is not None and stats.announced and self._engines and index == min(self._engines):
-            self._clock.record(stats.announced)
+        clock = self._clock
+        if clock is not None and stats.announced and self._engines and index == min(self._engines):
+            for checkpoint in clock.record(stats.announced):
+                self._pending_saves.append(lambda c=checkpoint: clock.save(self._trainer, c))
         if stats.finish and not self._finishing:
             self._finishing = True
             self._finish_at(stats)
@@ -408,12 +414,15 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
     # ------------------------------------------------------------- training
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Every rank, main thread: the clock decisions the applied rounds carried (a time-based save)."""
-        self._clock_at_batch_start()
-
-    def _clock_at_batch_start(self) -> None:
+        """Every rank, main thread: the saves the applied rounds called for; then rank 0's clock."""
+        self._run_pending_saves()
         if self._clock is not None:
             self._clock.at_batch_start(self._trainer)
+
+    def _run_pending_saves(self) -> None:
+        """Every rank, main thread, collective (each save is): the queued saves, in the order queued."""
+        while self._pending_saves:
+            self._pending_saves.pop(0)()
 
     @override
     def optimizer_step(
@@ -453,7 +462,10 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
 
     @override
     def on_train_end(self) -> None:
-        """The final round of every engine: nothing pending is lost, replicas end identical."""
+        """The saves still queued, then the final round of every engine: nothing pending is lost, replicas
+        end identical."""
+        if not self._stopped:
+            self._run_pending_saves()
         if self._stopped:
             # A stop request ended the engines at the same round on every rank. Usually the next
             # batch start then raises SIGTERMException and this hook never runs; it runs when the
@@ -519,6 +531,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         self._mean_over_ranks([b for b in self.lightning_module.buffers() if b.numel()], "the end-of-fit buffers")
 
     def _close_engines(self) -> None:
+        self._pending_saves.clear()  # saves called for by rounds after the last batch: none is taken
         if self._clock is not None:
             if self.lightning_module is not None and self.lightning_module._trainer is not None:
                 self._clock.restore(self._trainer)

@@ -161,6 +161,10 @@ class EpochProbe(L.Callback):
         self.batches[-1] += 1
         self.samples[-1] += len(batch[0] if isinstance(batch, (list, tuple)) else batch)
 
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        # Every rank takes part in every save: the global step of each, in order.
+        self.saved_at = [*getattr(self, "saved_at", []), trainer.global_step]
+
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         # Every optimizer step, the strategies' own (eager_sgd's final flush step) included.
         self.before_steps = getattr(self, "before_steps", 0) + 1
@@ -223,9 +227,10 @@ def main() -> None:
     parser.add_argument("--max-time", type=float, default=None,
                         help="Trainer(max_time=SECONDS) with no step or epoch limit; then --steps is ignored")
     parser.add_argument("--checkpoint-seconds", type=float, default=None,
-                        help="ModelCheckpoint(train_time_interval=SECONDS, save_top_k=-1) into <out>/ckpt_time")
+                        help="ModelCheckpoint(train_time_interval=SECONDS, save_top_k=-1) into <out>/ckpt_time "
+                             "(beside --checkpoint-every's, if given)")
     parser.add_argument("--val-seconds", type=float, default=None,
-                        help="Trainer(val_check_interval=SECONDS as a time), 2 validation batches of 16 samples")
+                        help="Trainer(val_check_interval=SECONDS as a time); 64 validation samples, 16 per rank")
     parser.add_argument("--adaptive", action="store_true", help="add an AdaptiveBatchSize(window=4, min_batch_size=2) (abs_sgd)")
     parser.add_argument("--step-scheduler", action="store_true", help="a StepLR stepped per optimizer step")
     parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (the staleness rule reads it)")
@@ -318,13 +323,14 @@ def main() -> None:
 
         checkpoints = ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.checkpoint_every,
                                       save_top_k=-1, save_last=True)
+    time_checkpoints = None
     if args.checkpoint_seconds is not None:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        checkpoints = ModelCheckpoint(dirpath=args.out / "ckpt_time", save_top_k=-1,
-                                      train_time_interval=timedelta(seconds=args.checkpoint_seconds))
-    callbacks = [c for c in (probe, imbalance, tracker, rotation, saver, adaptive, epochs, checkpoints)
-                 if c is not None]
+        time_checkpoints = ModelCheckpoint(dirpath=args.out / "ckpt_time", save_top_k=-1,
+                                           train_time_interval=timedelta(seconds=args.checkpoint_seconds))
+    callbacks = [c for c in (probe, imbalance, tracker, rotation, saver, adaptive, epochs, checkpoints,
+                             time_checkpoints) if c is not None]
 
     def write_stopped(trainer: L.Trainer) -> None:
         # Every rank is expected to stop at the same step: the test compares the markers.
@@ -367,6 +373,7 @@ def main() -> None:
         record["epoch_samples"] = epochs.samples
         record["epoch_first_batch"] = epochs.first_sizes
         record["before_optimizer_steps"] = getattr(epochs, "before_steps", 0)
+        record["saved_at"] = getattr(epochs, "saved_at", [])
         last = getattr(trainer.strategy, "round_stats", {}).get(0)
         record["last_round"] = {"round": last.round_index, "flush": last.flush,
                                 "contributions": last.contributions} if last is not None else None
@@ -417,7 +424,7 @@ def main() -> None:
         logger=loggers or False,
         log_every_n_steps=1,
         gradient_clip_val=args.clip,
-        enable_checkpointing=checkpoints is not None,
+        enable_checkpointing=checkpoints is not None or time_checkpoints is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
