@@ -395,8 +395,8 @@ def save_time_checkpoint(callback: Any, trainer: Any, now: float, *, skip_same_s
     own check, which only holds where every rank is at the same global step).
     """
     callback._last_time_checked = now
-    if skip_same_step and callback._last_global_step_saved == trainer.global_step:
-        return
+    if trainer.fast_dev_run or (skip_same_step and callback._last_global_step_saved == trainer.global_step):
+        return  # Lightning saves nothing under fast_dev_run
     candidates = callback._monitor_candidates(trainer)
     if callback.monitor is not None and callback.monitor not in candidates:
         callback._defer_save_until_validation = True
@@ -411,6 +411,8 @@ def save_step_checkpoint(callback: Any, trainer: Any) -> None:
     Without its ``_should_skip_saving_checkpoint`` test, which compares this rank's own
     ``global_step`` with the last one saved: every rank must take part in every save.
     """
+    if trainer.fast_dev_run:
+        return  # Lightning saves nothing under fast_dev_run
     candidates = callback._monitor_candidates(trainer)
     callback._save_topk_checkpoint(trainer, candidates)
     callback._save_last_checkpoint(trainer, candidates)

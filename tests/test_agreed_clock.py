@@ -118,3 +118,23 @@ def test_abs_sgd_ends_and_saves_at_the_same_round_whatever_its_batches(tmp_path,
     assert len(timed) >= 2, timed
     by_steps = [p for p in (out / "ckpt").glob("*.ckpt") if p.name != "last.ckpt"]
     assert by_steps and len(timed) + len(by_steps) <= len(saved[0])
+
+
+@pytest.mark.timeout(300)
+def test_abs_sgd_saves_before_every_epoch_end_on_every_rank(tmp_path):
+    """The paper's delay without the synchronous finish (every round asynchronous to the end), speeds 1, 1,
+    0.5, 0.25, a step checkpoint at every step, validation (a collective) at each of 3 epoch ends: a rank
+    applies a round in its own batch, so the saves of the rounds before an epoch's last round run at the end
+    of the epoch's last batch on every rank, before validation; every rank saves as often and validates at
+    every epoch end, and the replicas end bit-identical."""
+    out = tmp_path / "run"
+    command = fit_command(out, "--strategy", "abs_sgd", "--max-epochs", "3", "--speed", "1,1,0.5,0.25",
+                          "--checkpoint-every", "1", "--validate",
+                          "--strategy-kw", json.dumps({"delay": 1, "final_sync": 0.0}), launch="fork")
+    proc = forkrun.run(command, env=FIT_ENV, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
+    assert len({len(r["saved_at"]) for r in records}) == 1 and records[0]["saved_at"], records[0]["saved_at"]
+    assert all(len(r["validated_at"]) == 3 for r in records), [r["validated_at"] for r in records]
+    assert len({r["global_step"] for r in records}) == 1
+    assert_identical(out)

@@ -216,6 +216,7 @@ class DelayedAllreduce(PartialAllreduce):
         self._requested = False  # this rank's caller wants the next round
         self._paused = False
         self._final_round: Optional[int] = None
+        self._epoch_end_round: Optional[int] = None  # the latest round whose global samples completed an epoch
         self._completed = -1  # the last round whose result is published and whose follow-up is decided
         self._handed = -1  # the last round handed to the caller
         self.deposit_round = -1  # the round that takes the latest deposit (for tests and stats)
@@ -250,6 +251,12 @@ class DelayedAllreduce(PartialAllreduce):
         n = self.delayed.epoch_samples
         with self._cond:
             return self._global_samples // n if n else 0
+
+    @property
+    def epoch_end_round(self) -> Optional[int]:
+        """The latest round whose global samples completed an epoch (the same on every rank), once completed."""
+        with self._cond:
+            return self._epoch_end_round
 
     @property
     def fresh_from(self) -> Optional[int]:
@@ -619,8 +626,11 @@ class DelayedAllreduce(PartialAllreduce):
     def _after_round(self, r: int, result: RoundResult) -> None:
         with self._activation_lock:
             with self._cond:
-                self._global_samples += int(result.stats.contributions)
                 d = self.delayed
+                epochs = self._global_samples // d.epoch_samples if d.epoch_samples else 0
+                self._global_samples += int(result.stats.contributions)
+                if d.epoch_samples and self._global_samples // d.epoch_samples > epochs:
+                    self._epoch_end_round = r
                 if (self._sync_from is None and d.sync_from_samples is not None
                         and self._global_samples >= d.sync_from_samples):
                     self._sync_from = r + 1  # every rank decides it from the same headers

@@ -140,6 +140,19 @@ class _StepCheckpoint:
     queued: int = 0
 
 
+class _EpochEndSaves(pl.Callback):
+    """abs_sgd's own callback (added at set-up, removed at teardown): at the end of an epoch's last batch, the
+    saves that must come before the epoch-end hooks (:meth:`ABSSGDStrategy._saves_before_epoch_end`)."""
+
+    def __init__(self, strategy: "ABSSGDStrategy") -> None:
+        self.strategy = strategy
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.strategy._saves_before_epoch_end()
+
+
 def check_validation_schedule(trainer: Any) -> None:
     """Refuses validation every N batches (``Trainer(val_check_interval=...)`` other than 1.0).
 
@@ -360,6 +373,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                 every = _compat.take_over_step_checkpoints(cb)
                 if every:
                     self._step_checkpoints.append(_StepCheckpoint(cb, every))
+        if not any(isinstance(cb, _EpochEndSaves) for cb in trainer.callbacks):
+            trainer.callbacks.append(_EpochEndSaves(self))  # removed at teardown
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -580,7 +595,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         if engine is None:
             return
         trainer = self._trainer
+        self._save_boundary = self._boundary(engine, trainer)
         super().on_train_batch_start(batch, batch_idx)  # the queued saves (step and time), in round order
+        self._save_boundary = self._boundary(engine, trainer)  # a save lets rounds complete: asked again
         if engine.final_round is not None:
             trainer.should_stop = True
             _compat.mark_last_batch(trainer)
@@ -590,6 +607,30 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             # arrives with it, so that no rank waits in a round for one that holds its micro-batch.
             _compat.mark_last_batch(trainer)
             self._arrive_now = True
+
+    @staticmethod
+    def _boundary(engine: DelayedAllreduce, trainer: "pl.Trainer") -> Optional[int]:
+        """The round that ends the epoch (or the fit) if the batch now starting is its last, else ``None``."""
+        if engine.final_round is not None:
+            return engine.final_round
+        if engine.epochs_completed > trainer.current_epoch:
+            return engine.epoch_end_round
+        return None
+
+    def _saves_before_epoch_end(self) -> None:
+        """Every rank, main thread, at the end of an epoch's (or the fit's) last batch, before its epoch-end
+        hooks (validation, epoch-end checkpoints: collective): the saves of the rounds before the boundary
+        round ``E``.
+
+        A rank applies round ``r`` one round late, in a batch of its own: at the start of the last batch one
+        rank may have applied ``E - 1`` and another not yet. By the end of that batch every rank has (round
+        ``E`` had completed before it started), and none has necessarily applied ``E``: so the saves of the
+        rounds before ``E`` run here on every rank, and those of ``E`` on (applied in the last batch or the
+        next epoch's first) at the next epoch's batch starts, after the epoch-end hooks on every rank.
+        """
+        if self._save_boundary is not None:
+            self._run_pending_saves(before=self._save_boundary)
+            self._save_boundary = None
 
     @override
     def _engine_step(self, index: int, optimizer: Optimizer, closure: Callable[[], Any], model: StepModel,
@@ -682,7 +723,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             if not final:
                 # Per optimizer step, not per batch: every rank then steps its schedulers at the same rounds.
                 _compat.step_round_schedulers(self._trainer, optimizer, accumulator.steps(index) - 1)
-                self._queue_step_saves(self._trainer.global_step + steps)  # Lightning adds this batch's steps later
+                # Lightning adds this batch's steps after it: the global step this step reaches.
+                self._queue_step_saves(self._trainer.global_step + steps, result.stats.round_index)
         return steps
 
     # ------------------------------------------------------------- agreement
@@ -733,7 +775,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         for trigger in self._step_checkpoints:
             trigger.queued = trainer.global_step // trigger.every  # a resumed fit: the multiples before it are saved
 
-    def _queue_step_saves(self, global_step: int) -> None:
+    def _queue_step_saves(self, global_step: int, round_index: int) -> None:
         """Every rank, main thread, after an optimizer step that brought ``global_step`` to this value: one save
         per multiple of ``n`` passed, queued behind the saves of earlier rounds.
 
@@ -751,7 +793,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             while trigger.queued < global_step // trigger.every:
                 trigger.queued += 1
                 self._pending_saves.append(
-                    lambda callback=trigger.callback: _compat.save_step_checkpoint(callback, self._trainer))
+                    (round_index, lambda callback=trigger.callback: _compat.save_step_checkpoint(callback, self._trainer)))
 
     @override
     def on_train_end(self) -> None:
@@ -765,6 +807,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     def teardown(self) -> None:
         for trigger in self._step_checkpoints:
             _compat.restore_checkpoint_triggers(trigger.callback)  # the user's callback as it came
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, _EpochEndSaves)]
         if self._user_sampler is not None:  # the user's sampler leaves this fit at the size it came with
             sampler, size = self._user_sampler
             sampler.batch_size = size

@@ -162,9 +162,11 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         self._stopped = False  # a round carried a stop request: every rank stops at it
         self._finishing = False  # a round carried a finish request: every rank ends its fit at it
         self._clock: Optional[AgreedClock] = None  # built per fit at train start
-        # Checkpoint saves that applied rounds called for, in round order (every rank queues the same ones
-        # in the same order); run at the next batch start or the end of fit (main thread).
-        self._pending_saves: list[Callable[[], None]] = []
+        # Checkpoint saves that applied rounds called for, with the round, in round order (every rank queues
+        # the same ones in the same order); run at the next batch start or the end of fit (main thread).
+        self._pending_saves: list[tuple[int, Callable[[], None]]] = []
+        # At a batch start, run only the saves of rounds before this one (abs_sgd's epoch-last batch).
+        self._save_boundary: Optional[int] = None
         self._previous_sigterm_handler: Any = None
         self._resume_state: Optional[dict[str, Any]] = None  # from load_checkpoint, consumed at start
         self._final_states: dict[int, dict[str, Any]] = {}  # engine states after the final flush
@@ -316,7 +318,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             self._params[index] = params
         self._start_heartbeat()
         self._finishing = False
-        self._pending_saves = []
+        self._pending_saves, self._save_boundary = [], None
         if not self.synchronous:
             # A globally synchronous step costs the broadcast nothing extra: keep
             # Lightning's own SIGTERM handling and clock decisions in pure sync mode.
@@ -397,7 +399,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         clock = self._clock
         if clock is not None and stats.announced and self._engines and index == min(self._engines):
             for checkpoint in clock.record(stats.announced):
-                self._pending_saves.append(lambda c=checkpoint: clock.save(self._trainer, c))
+                self._pending_saves.append((stats.round_index, lambda c=checkpoint: clock.save(self._trainer, c)))
         if stats.finish and not self._finishing:
             self._finishing = True
             self._finish_at(stats)
@@ -415,14 +417,15 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Every rank, main thread: the saves the applied rounds called for; then rank 0's clock."""
-        self._run_pending_saves()
+        self._run_pending_saves(before=self._save_boundary)
         if self._clock is not None:
             self._clock.at_batch_start(self._trainer)
 
-    def _run_pending_saves(self) -> None:
-        """Every rank, main thread, collective (each save is): the queued saves, in the order queued."""
-        while self._pending_saves:
-            self._pending_saves.pop(0)()
+    def _run_pending_saves(self, before: Optional[int] = None) -> None:
+        """Every rank, main thread, collective (each save is): the queued saves in the order queued, those
+        called for by rounds before ``before`` only if given."""
+        while self._pending_saves and (before is None or self._pending_saves[0][0] < before):
+            self._pending_saves.pop(0)[1]()
 
     @override
     def optimizer_step(

@@ -229,6 +229,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-seconds", type=float, default=None,
                         help="ModelCheckpoint(train_time_interval=SECONDS, save_top_k=-1) into <out>/ckpt_time "
                              "(beside --checkpoint-every's, if given)")
+    parser.add_argument("--validate", action="store_true", help="validate at epoch ends (64 samples, 16 per rank)")
     parser.add_argument("--val-seconds", type=float, default=None,
                         help="Trainer(val_check_interval=SECONDS as a time); 64 validation samples, 16 per rank")
     parser.add_argument("--adaptive", action="store_true", help="add an AdaptiveBatchSize(window=4, min_batch_size=2) (abs_sgd)")
@@ -430,7 +431,8 @@ def main() -> None:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     try:
-        val = None if args.val_seconds is None else DataLoader(torch.utils.data.Subset(dataset, range(64)), batch_size=16)
+        validate = args.validate or args.val_seconds is not None
+        val = DataLoader(torch.utils.data.Subset(dataset, range(64)), batch_size=16) if validate else None
         trainer.fit(model, loader, val, ckpt_path=args.resume)
     except SIGTERMException:
         write_stopped(trainer)
