@@ -391,3 +391,24 @@ def test_a_checkpoint_trigger_taken_over_keeps_its_state_key_and_saves_nothing_b
     assert callback.state_key == key
     _compat.restore_checkpoint_triggers(callback)
     assert "on_train_batch_end" not in callback.__dict__ and callback.state_key == key
+
+
+@pytest.mark.parametrize("final, completed, ends, sync_from, epoch, expected", [
+    (None, 0, {}, None, 0, (None, None)),  # mid-epoch
+    (None, 1, {0: 10}, None, 0, ("epoch", 10)),
+    (12, 1, {0: 10}, None, 0, ("epoch", 10)),  # the fit's end just after the epoch's: the epoch ends first
+    (12, 1, {0: 10}, None, 1, ("fit", 12)),  # ... then the fit, in the next epoch
+    (10, 1, {0: 10}, None, 0, ("fit", 10)),  # max_epochs: the same round
+    (12, 0, {}, None, 0, ("fit", 12)),  # max_steps or a time limit mid-epoch
+    (None, 1, {}, None, 0, ("epoch", None)),  # resumed after the epoch's last round: no boundary known
+    (None, 1, {0: 10}, 5, 0, ("epoch", None)),  # a synchronous round: every rank applied it already
+    (None, 3, {0: 10, 1: 10, 2: 11}, None, 1, ("epoch", 10)),  # one round completed two epochs
+])
+def test_abs_sgd_decides_the_last_batch_and_its_save_boundary_from_the_rounds(final, completed, ends, sync_from,
+                                                                               epoch, expected):
+    from lightning_partial.collectives.delayed import RoundProgress
+    from lightning_partial.strategies.abs_sgd import ABSSGDStrategy
+
+    progress = RoundProgress(final_round=final, epochs_completed=completed, epoch_end_rounds=ends,
+                             sync_from=sync_from)
+    assert ABSSGDStrategy._last_batch(progress, epoch) == expected

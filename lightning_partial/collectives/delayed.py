@@ -171,6 +171,25 @@ class SampleDeposit(Deposit):
     busy: float = 0.0  # seconds the caller worked on these micro-batches (from each deposit's return to the next)
 
 
+@dataclass(frozen=True)
+class RoundProgress:
+    """The epochs and the fit's end as the completed rounds on this rank say (the same on every rank per round).
+
+    ``final_round``: the fit's last round once it has completed; ``epochs_completed``: the epochs the
+    global samples make up; ``epoch_end_rounds``: per epoch completed in this run (0-based), the round that
+    completed it; ``sync_from``: the first synchronous round, once known (every rank applies a synchronous
+    round's result in the batch that arrives at it).
+    """
+
+    final_round: Optional[int]
+    epochs_completed: int
+    epoch_end_rounds: dict[int, int]
+    sync_from: Optional[int]
+
+    def is_synchronous(self, round_index: int) -> bool:
+        return self.sync_from is not None and round_index >= self.sync_from
+
+
 class DelayedAllreduce(PartialAllreduce):
     """Delayed sample-weighted allreduce (see the module docstring for the rules).
 
@@ -216,7 +235,8 @@ class DelayedAllreduce(PartialAllreduce):
         self._requested = False  # this rank's caller wants the next round
         self._paused = False
         self._final_round: Optional[int] = None
-        self._epoch_end_round: Optional[int] = None  # the latest round whose global samples completed an epoch
+        # Per epoch completed in this run (0-based), the round whose global samples completed it.
+        self._epoch_end_rounds: dict[int, int] = {}
         self._completed = -1  # the last round whose result is published and whose follow-up is decided
         self._handed = -1  # the last round handed to the caller
         self.deposit_round = -1  # the round that takes the latest deposit (for tests and stats)
@@ -252,11 +272,16 @@ class DelayedAllreduce(PartialAllreduce):
         with self._cond:
             return self._global_samples // n if n else 0
 
-    @property
-    def epoch_end_round(self) -> Optional[int]:
-        """The latest round whose global samples completed an epoch (the same on every rank), once completed."""
+    def progress(self) -> "RoundProgress":
+        """What the completed rounds say about the epochs and the fit's end, read at once (one lock)."""
+        n = self.delayed.epoch_samples
         with self._cond:
-            return self._epoch_end_round
+            return RoundProgress(
+                final_round=self._final_round,
+                epochs_completed=self._global_samples // n if n else 0,
+                epoch_end_rounds=dict(self._epoch_end_rounds),
+                sync_from=self._sync_from,
+            )
 
     @property
     def fresh_from(self) -> Optional[int]:
@@ -629,8 +654,9 @@ class DelayedAllreduce(PartialAllreduce):
                 d = self.delayed
                 epochs = self._global_samples // d.epoch_samples if d.epoch_samples else 0
                 self._global_samples += int(result.stats.contributions)
-                if d.epoch_samples and self._global_samples // d.epoch_samples > epochs:
-                    self._epoch_end_round = r
+                if d.epoch_samples:
+                    for epoch in range(epochs, self._global_samples // d.epoch_samples):
+                        self._epoch_end_rounds[epoch] = r
                 if (self._sync_from is None and d.sync_from_samples is not None
                         and self._global_samples >= d.sync_from_samples):
                     self._sync_from = r + 1  # every rank decides it from the same headers

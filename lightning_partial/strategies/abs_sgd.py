@@ -83,10 +83,14 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   ends, from a hook that every rank reaches, or with ``ModelCheckpoint(
   every_n_train_steps=n)``: a batch may apply two rounds, so a rank can step
   over a multiple of ``n`` that another stops at; the strategy therefore takes
-  over that trigger and saves once per multiple passed, at each rank's next
-  batch start. ``train_time_interval`` is rank 0's clock, announced in a round
-  and saved by every rank at its next batch start in the same way
-  (:mod:`~lightning_partial.strategies.agreed_clock`).
+  over that trigger and saves once per multiple passed, queued as the round
+  that reaches it is applied and run at the rank's next batch start.
+  ``train_time_interval`` is rank 0's clock, announced in a round and queued
+  the same way (:mod:`~lightning_partial.strategies.agreed_clock`). At an
+  epoch's last batch the saves of the rounds before the epoch's last round run
+  at the batch's end, before the epoch-end hooks (``_saves_before_epoch_end``).
+  An epoch whose last round comes before the fit's (a time limit or
+  ``max_steps`` just after an epoch end) ends first on every rank.
 """
 
 from __future__ import annotations
@@ -108,7 +112,7 @@ from typing_extensions import Unpack, override
 import lightning.pytorch as pl
 from lightning_partial import _compat
 from lightning_partial.collectives import PartialCollectiveError, RoundResult, RoundStats
-from lightning_partial.collectives.delayed import TRIGGERS, DelayedAllreduce, DelayedConfig, Trigger
+from lightning_partial.collectives.delayed import TRIGGERS, DelayedAllreduce, DelayedConfig, RoundProgress, Trigger
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.collectives.checks import is_int_at_least
 from lightning_partial.data import ElasticBatchSampler
@@ -595,27 +599,40 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         if engine is None:
             return
         trainer = self._trainer
-        self._save_boundary = self._boundary(engine, trainer)
+        self._save_boundary = self._last_batch(engine.progress(), trainer.current_epoch)[1]
         super().on_train_batch_start(batch, batch_idx)  # the queued saves (step and time), in round order
-        self._save_boundary = self._boundary(engine, trainer)  # a save lets rounds complete: asked again
-        if engine.final_round is not None:
-            trainer.should_stop = True
-            _compat.mark_last_batch(trainer)
-            self._arrive_now = True
-        elif engine.epochs_completed > trainer.current_epoch:
+        # A save lets rounds complete: asked again, and decided from one reading of the engine.
+        ends, self._save_boundary = self._last_batch(engine.progress(), trainer.current_epoch)
+        if ends is not None:
             # The epoch-end hooks after this batch may be collective (a checkpoint, validation): every rank
             # arrives with it, so that no rank waits in a round for one that holds its micro-batch.
             _compat.mark_last_batch(trainer)
             self._arrive_now = True
+            if ends == "fit":
+                trainer.should_stop = True
 
     @staticmethod
-    def _boundary(engine: DelayedAllreduce, trainer: "pl.Trainer") -> Optional[int]:
-        """The round that ends the epoch (or the fit) if the batch now starting is its last, else ``None``."""
-        if engine.final_round is not None:
-            return engine.final_round
-        if engine.epochs_completed > trainer.current_epoch:
-            return engine.epoch_end_round
-        return None
+    def _last_batch(progress: RoundProgress, epoch: int) -> tuple[Optional[str], Optional[int]]:
+        """Whether the batch now starting ends this rank's epoch ``epoch`` (``"epoch"``) or the fit (``"fit"``),
+        and the round before which the queued saves run at this batch's start and end (``None``: all).
+
+        The epoch ends first where its last round ``E`` comes before the fit's ``F`` (a time limit or
+        ``max_steps`` just after an epoch end): every rank then ends epoch ``epoch`` at ``E`` and the fit at
+        ``F``, however far behind it saw them. A synchronous round is applied by every rank in the batch that
+        arrives at it, before any rank's last batch: no boundary then.
+        """
+        end_epoch = progress.epochs_completed > epoch
+        last = progress.epoch_end_rounds.get(epoch) if end_epoch else None
+        final = progress.final_round
+        if end_epoch and (final is None or (last is not None and last < final)):
+            ends, boundary = "epoch", last
+        elif final is not None:
+            ends, boundary = "fit", final
+        else:
+            return None, None
+        if boundary is not None and progress.is_synchronous(boundary):
+            boundary = None
+        return ends, boundary
 
     def _saves_before_epoch_end(self) -> None:
         """Every rank, main thread, at the end of an epoch's (or the fit's) last batch, before its epoch-end
