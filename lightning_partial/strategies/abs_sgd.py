@@ -339,6 +339,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self._epoch_samples: Optional[int] = None
         self._batch_samples = 0
         self._last_rounds: dict[int, int] = {}  # agreed at the end of fit
+        # The save boundary of the latest batch that ended an epoch or the fit (see on_train_end).
+        self._end_boundary: Optional[int] = None
         # The ModelCheckpoint(every_n_train_steps=n) callbacks this strategy triggers.
         self._step_checkpoints: list[_StepCheckpoint] = []
         #: Micro-batches per synchronous round (``AdaptiveBatchSize`` sets it at the same round on every rank, to
@@ -604,6 +606,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         # A save lets rounds complete: asked again, and decided from one reading of the engine.
         ends, self._save_boundary = self._last_batch(engine.progress(), trainer.current_epoch)
         if ends is not None:
+            self._end_boundary = self._save_boundary  # where the fit ends if it ends after this batch
             # The epoch-end hooks after this batch may be collective (a checkpoint, validation): every rank
             # arrives with it, so that no rank waits in a round for one that holds its micro-batch.
             _compat.mark_last_batch(trainer)
@@ -786,6 +789,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         super().on_train_start()
         self.step_lags.reset()
         self.micro_batches_per_round, self._held, self._arrive_now = 1, {}, False
+        self._end_boundary = None
         trainer = self._trainer
         if self._engines:
             _compat.step_schedulers_by_rounds(trainer)
@@ -815,7 +819,11 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     @override
     def on_train_end(self) -> None:
         if not self._stopped and self._engines:
-            self._run_pending_saves()  # before the quiesce: every rank has applied the same rounds here
+            # Before the quiesce, the saves of the rounds every rank has applied: those before the last batch's
+            # boundary (the fit's last round; or the epoch's, where a should_stop ended the fit there, and a
+            # rank may have applied that round and another not). Later ones are taken on no rank.
+            self._run_pending_saves(before=self._end_boundary)
+            self._pending_saves.clear()
             self._last_rounds = self._quiesce()
         _compat.restore_scheduler_stepping(self._trainer)
         super().on_train_end()
