@@ -115,7 +115,7 @@ def replace_sigterm_broadcast(trainer: object, stop_requested: Callable[[], bool
 _TIMER_MARK = "_lightning_partial_finish_requested"
 
 
-def take_over_step_timers(trainer: Any, request_finish: Callable[[], None]) -> int:
+def take_over_step_timers(trainer: Any, request_finish: Callable[[], None]) -> None:
     """Replaces each per-step ``Timer``'s broadcast (``Trainer(max_time=...)``) with ``request_finish``.
 
     Lightning's ``Timer`` with ``interval="step"`` (the one ``max_time`` adds) calls
@@ -127,12 +127,11 @@ def take_over_step_timers(trainer: Any, request_finish: Callable[[], None]) -> i
     calls ``request_finish()`` once it is up, on rank 0 only: the strategy carries
     the request in its rounds and ends every rank's fit at the same round. The
     Timer's other checks (at fit start, ``interval="epoch"``) keep their broadcast:
-    every rank makes them at the same point. Returns how many Timers were taken over.
+    every rank makes them at the same point.
     """
     from lightning.pytorch.callbacks.timer import Interval, Timer
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-    taken = 0
     for callback in getattr(trainer, "callbacks", []):
         if not isinstance(callback, Timer) or getattr(callback, "_interval", None) != Interval.step:
             continue
@@ -153,8 +152,6 @@ def take_over_step_timers(trainer: Any, request_finish: Callable[[], None]) -> i
 
         callback.on_train_batch_end = on_train_batch_end  # shadows the method for this fit
         setattr(callback, _TIMER_MARK, False)
-        taken += 1
-    return taken
 
 
 def restore_step_timers(trainer: Any) -> None:

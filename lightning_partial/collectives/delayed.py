@@ -265,13 +265,6 @@ class DelayedAllreduce(PartialAllreduce):
         with self._cond:
             return self._global_samples
 
-    @property
-    def epochs_completed(self) -> int:
-        """Epochs that the completed rounds' global samples make up (0 without ``epoch_samples``)."""
-        n = self.delayed.epoch_samples
-        with self._cond:
-            return self._global_samples // n if n else 0
-
     def progress(self) -> "RoundProgress":
         """What the completed rounds say about the epochs and the fit's end, read at once (one lock)."""
         n = self.delayed.epoch_samples

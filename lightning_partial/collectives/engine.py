@@ -398,6 +398,11 @@ class PartialAllreduce(RoundRunner):
         self._control.finish(result.round_index, self.config.max_staleness)
         return result
 
+    def _require_header(self, call: str) -> None:
+        """Raises ``ValueError`` in pure ``sync`` mode: ``call`` rides in the round header, which it does not send."""
+        if self.config.mode == "sync":
+            raise ValueError(f"rank {self.rank}: {call}() needs the round header, which pure mode='sync' does not send")
+
     def request_stop(self) -> None:
         """Asks every rank to stop after the next round this rank's thread snapshots.
 
@@ -407,10 +412,7 @@ class PartialAllreduce(RoundRunner):
         Safe to call from a signal handler. Not available in pure ``sync`` mode,
         whose rounds carry no header.
         """
-        if self.config.mode == "sync":
-            raise ValueError(
-                f"rank {self.rank}: request_stop() needs the round header, which pure mode='sync' does not send"
-            )
+        self._require_header("request_stop")
         self._stop_requested = True
 
     def request_finish(self) -> None:
@@ -423,10 +425,7 @@ class PartialAllreduce(RoundRunner):
         training time limit: Lightning's ``max_time``). Callable from any thread.
         Not available in pure ``sync`` mode, whose rounds carry no header.
         """
-        if self.config.mode == "sync":
-            raise ValueError(
-                f"rank {self.rank}: request_finish() needs the round header, which pure mode='sync' does not send"
-            )
+        self._require_header("request_finish")
         self._finish_requested = True
 
     def announce(self, flags: int) -> None:
@@ -439,10 +438,7 @@ class PartialAllreduce(RoundRunner):
         (the strategies: a time-based checkpoint every rank takes at the same
         step). Not in pure ``sync`` mode, whose rounds carry no header.
         """
-        if self.config.mode == "sync":
-            raise ValueError(
-                f"rank {self.rank}: announce() needs the round header, which pure mode='sync' does not send"
-            )
+        self._require_header("announce")
         if not isinstance(flags, int) or isinstance(flags, bool) or not 0 < flags < 1 << header.ANNOUNCE_BITS:
             raise ValueError(f"rank {self.rank}: announce() takes bits as an int in [1, 2**{header.ANNOUNCE_BITS}), "
                              f"got {flags!r}")

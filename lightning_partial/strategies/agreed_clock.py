@@ -37,14 +37,11 @@ handling (a synchronous step costs a broadcast nothing more).
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from lightning_partial import _compat
-
-log = logging.getLogger(__name__)
 
 #: The announcement bit of a time-based validation; checkpoint ``i`` (in ``trainer.checkpoint_callbacks``
 #: order among those with a time interval) announces ``1 << (1 + i)``.
@@ -84,7 +81,6 @@ class AgreedClock:
         self._validation_interval: Optional[float] = None
         self._validation_announced = False
         self._validation_due = False
-        self.timers = 0
 
     # ------------------------------------------------------------- set-up
     def take_over(self, trainer: Any) -> None:
@@ -93,7 +89,7 @@ class AgreedClock:
         Under manual optimization Lightning saves by time never (its hook checks steps only), and so
         do these strategies.
         """
-        self.timers = _compat.take_over_step_timers(trainer, self._finish)
+        _compat.take_over_step_timers(trainer, self._finish)
         if trainer.lightning_module.automatic_optimization:
             for callback in trainer.checkpoint_callbacks:
                 if getattr(callback, "_train_time_interval", None) is None:
