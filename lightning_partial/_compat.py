@@ -31,6 +31,29 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 log = logging.getLogger(__name__)
 
 
+# --------------------------------------------------------------- shadowing
+# Where a strategy changes what a Lightning object does during a fit, it puts a function in front of the
+# object's method (an instance attribute named as the method), never patching the class: other trainers are
+# untouched, and taking the attribute away gives the method back exactly.
+def _shadow(obj: Any, name: str, replacement: Callable[..., Any]) -> None:
+    """Makes ``obj.name`` call ``replacement`` (this object only) until :func:`_unshadow`."""
+    obj.__dict__[name] = replacement
+
+
+def _unshadow(obj: Any, name: str) -> Optional[Callable[..., Any]]:
+    """Undoes :func:`_shadow` (idempotent); returns the replacement that was in front, if any."""
+    return obj.__dict__.pop(name, None) if obj is not None else None
+
+
+def _shadowing(obj: Any, name: str) -> Optional[Callable[..., Any]]:
+    """The replacement :func:`_shadow` put in front of ``obj.name`` (``None``: the method is the class's)."""
+    return obj.__dict__.get(name) if obj is not None else None
+
+
+def _epoch_loop(trainer: Any) -> Any:
+    return getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+
+
 class StopAwareMultiProcessingLauncher(_MultiProcessingLauncher):
     """Lightning's multiprocessing launcher (``start_method`` ``"spawn"`` or ``"fork"``) for fits that SIGTERM can stop.
 
@@ -94,7 +117,7 @@ def replace_sigterm_broadcast(trainer: object, stop_requested: Callable[[], bool
     Returns whether the method was found and replaced (``False`` on a Lightning
     without it, where there is nothing to replace).
     """
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    loop = _epoch_loop(trainer)
     if loop is None or not hasattr(loop, "_broadcast_sigterm_tensor"):
         log.debug("no _broadcast_sigterm_tensor on this Lightning: nothing to replace")
         return False
@@ -107,12 +130,13 @@ def replace_sigterm_broadcast(trainer: object, stop_requested: Callable[[], bool
                 connector.received_sigterm = True
             raise SIGTERMException()
 
-    loop._broadcast_sigterm_tensor = _nonblocking_sigterm_check  # type: ignore[attr-defined]
+    _shadow(loop, "_broadcast_sigterm_tensor", _nonblocking_sigterm_check)
     return True
 
 
-# Set on a Timer taken over for this fit: whether this rank has requested the finish.
-_TIMER_MARK = "_lightning_partial_finish_requested"
+def restore_sigterm_broadcast(trainer: Any) -> None:
+    """Undoes :func:`replace_sigterm_broadcast` (idempotent)."""
+    _unshadow(_epoch_loop(trainer), "_broadcast_sigterm_tensor")
 
 
 def take_over_step_timers(trainer: Any, request_finish: Callable[[], None]) -> None:
@@ -137,29 +161,30 @@ def take_over_step_timers(trainer: Any, request_finish: Callable[[], None]) -> N
             continue
         if getattr(callback, "_duration", None) is None or not hasattr(callback, "time_elapsed"):
             continue
+        requested = [False]  # this rank has requested the finish (once per fit)
 
-        def on_train_batch_end(trainer: Any, *args: Any, _timer: Any = callback, **kwargs: Any) -> None:
-            if trainer.global_rank != 0 or getattr(_timer, _TIMER_MARK):
+        def on_train_batch_end(trainer: Any, *args: Any, _timer: Any = callback, _requested: list[bool] = requested,
+                               **kwargs: Any) -> None:
+            if trainer.global_rank != 0 or _requested[0]:
                 return
             if not getattr(trainer.fit_loop, "_can_stop_early", True):
                 return  # min_steps / min_epochs not met: Lightning would go on anyway (asked again next batch)
             if _timer.time_elapsed() >= _timer._duration:
-                setattr(_timer, _TIMER_MARK, True)  # requested once
+                _requested[0] = True
                 request_finish()
                 if getattr(_timer, "_verbose", False):
                     rank_zero_info(f"Time limit reached. Elapsed time is {int(_timer.time_elapsed())} s. "
                                    "Signaling every rank to stop at the same round.")
 
-        callback.on_train_batch_end = on_train_batch_end  # shadows the method for this fit
-        setattr(callback, _TIMER_MARK, False)
+        _shadow(callback, "on_train_batch_end", on_train_batch_end)
+        on_train_batch_end.timer_taken_over = True  # type: ignore[attr-defined]
 
 
 def restore_step_timers(trainer: Any) -> None:
-    """Undoes :func:`take_over_step_timers` (the instance attributes shadowed the method)."""
+    """Undoes :func:`take_over_step_timers` (idempotent)."""
     for callback in getattr(trainer, "callbacks", []):
-        if _TIMER_MARK in callback.__dict__:
-            del callback.__dict__[_TIMER_MARK]
-            callback.__dict__.pop("on_train_batch_end", None)
+        if getattr(_shadowing(callback, "on_train_batch_end"), "timer_taken_over", False):
+            _unshadow(callback, "on_train_batch_end")
 
 
 def time_validation_interval(trainer: Any) -> Optional[float]:
@@ -184,7 +209,7 @@ def take_over_time_validation(trainer: Any, due: Callable[[], bool]) -> bool:
     The wrapped check answers as Lightning's would with the clock left out, or
     ``due()``: the strategy agrees on the step through its rounds.
     """
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    loop = _epoch_loop(trainer)
     original = getattr(loop, "_should_check_val_fx", None)
     if original is None or time_validation_interval(trainer) is None:
         return False
@@ -200,15 +225,13 @@ def take_over_time_validation(trainer: Any, due: Callable[[], bool]) -> bool:
         epoch_validates = getattr(loop, "_should_check_val_epoch", lambda: True)()
         return bool(by_loop) or (agreed and epoch_validates)
 
-    loop._should_check_val_fx = _should_check_val_fx
+    _shadow(loop, "_should_check_val_fx", _should_check_val_fx)
     return True
 
 
 def restore_time_validation(trainer: Any) -> None:
-    """Undoes :func:`take_over_time_validation` (the instance attribute shadowed the method)."""
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    if loop is not None:
-        loop.__dict__.pop("_should_check_val_fx", None)
+    """Undoes :func:`take_over_time_validation` (idempotent)."""
+    _unshadow(_epoch_loop(trainer), "_should_check_val_fx")
 
 
 def install_sigterm_handler(handler: Callable[[int, Any], None]) -> Any:
@@ -276,7 +299,7 @@ def step_schedulers_by_rounds(trainer: Any) -> bool:
         if interval != "step" or update_plateau_schedulers:
             original(interval=interval, update_plateau_schedulers=update_plateau_schedulers)
 
-    loop._update_learning_rates = _update_learning_rates
+    _shadow(loop, "_update_learning_rates", _update_learning_rates)
     return True
 
 
@@ -302,9 +325,8 @@ def step_round_schedulers(trainer: Any, optimizer: Any, step_index: int) -> None
 
 
 def restore_scheduler_stepping(trainer: Any) -> None:
-    """Undoes :func:`step_schedulers_by_rounds` (the instance attribute shadowed the method)."""
-    loop = trainer.fit_loop.epoch_loop
-    loop.__dict__.pop("_update_learning_rates", None)
+    """Undoes :func:`step_schedulers_by_rounds` (idempotent)."""
+    _unshadow(_epoch_loop(trainer), "_update_learning_rates")
 
 
 def before_optimizer_step(precision_plugin: Any, model: Any, optimizer: Any) -> None:
@@ -314,8 +336,6 @@ def before_optimizer_step(precision_plugin: Any, model: Any, optimizer: Any) -> 
 
 # The ModelCheckpoint attributes whose batch-end saves a strategy takes over, and their "off" values.
 _BATCH_END_TRIGGERS = {"_every_n_train_steps": 0, "_train_time_interval": None}
-# Set on a ModelCheckpoint whose batch-end hook is wrapped for this fit: the triggers it runs without.
-_QUIET_MARK = "_lightning_partial_quiet_triggers"
 
 
 def _quiet_batch_end(callback: Any, trigger: str) -> None:
@@ -325,9 +345,10 @@ def _quiet_batch_end(callback: Any, trigger: str) -> None:
     else, so ``ModelCheckpoint.state_key`` (the key of its state in a checkpoint,
     built from these attributes) stays the user's, and a resumed fit finds it.
     """
-    quiet = callback.__dict__.get(_QUIET_MARK)
+    wrapper = _shadowing(callback, "on_train_batch_end")
+    quiet: Optional[set[str]] = getattr(wrapper, "quiet_triggers", None)
     if quiet is None:
-        quiet = callback.__dict__[_QUIET_MARK] = set()
+        quiet = set()
         hook = type(callback).on_train_batch_end
 
         def on_train_batch_end(*args: Any, **kwargs: Any) -> None:
@@ -340,7 +361,8 @@ def _quiet_batch_end(callback: Any, trigger: str) -> None:
                 for name, value in kept.items():
                     setattr(callback, name, value)
 
-        callback.on_train_batch_end = on_train_batch_end  # shadows the method for this fit
+        on_train_batch_end.quiet_triggers = quiet  # type: ignore[attr-defined]
+        _shadow(callback, "on_train_batch_end", on_train_batch_end)
     quiet.add(trigger)
 
 
@@ -373,8 +395,8 @@ def take_over_time_checkpoint(callback: Any) -> Optional[float]:
 
 def restore_checkpoint_triggers(callback: Any) -> None:
     """Undoes :func:`take_over_step_checkpoints` and :func:`take_over_time_checkpoint` (idempotent)."""
-    if callback.__dict__.pop(_QUIET_MARK, None) is not None:
-        callback.__dict__.pop("on_train_batch_end", None)
+    if getattr(_shadowing(callback, "on_train_batch_end"), "quiet_triggers", None) is not None:
+        _unshadow(callback, "on_train_batch_end")
 
 
 def time_since_checkpoint(callback: Any, now: float) -> float:

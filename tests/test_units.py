@@ -393,6 +393,52 @@ def test_a_checkpoint_trigger_taken_over_keeps_its_state_key_and_saves_nothing_b
     assert "on_train_batch_end" not in callback.__dict__ and callback.state_key == key
 
 
+def test_a_time_limit_taken_over_asks_once_per_fit_and_every_restore_gives_the_methods_back():
+    """The Timer's batch-end hook requests the finish once (rank 0, once the time is up), issues no broadcast, and
+    is taken over afresh by the next fit of the same trainer; each restore is idempotent, leaves no instance
+    attribute behind and accepts a trainer without loops."""
+    import time
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import Timer
+    from lightning.pytorch.trainer.states import RunningStage
+
+    from lightning_partial import _compat
+
+    class EpochLoop:  # the two methods as Lightning's loop has them: on the class
+        def _broadcast_sigterm_tensor(self) -> None: ...
+
+        def _update_learning_rates(self, interval: str, update_plateau_schedulers: bool) -> None: ...
+
+    timer = Timer(duration="00:00:00:01", interval="step")
+    loop = EpochLoop()
+    refuse = SimpleNamespace(broadcast=lambda *a, **k: pytest.fail("the Timer broadcast"))
+    trainer = SimpleNamespace(callbacks=[timer], global_rank=0, strategy=refuse,
+                              fit_loop=SimpleNamespace(_can_stop_early=True, epoch_loop=loop))
+    for fit in range(2):
+        requests: list[int] = []
+        _compat.take_over_step_timers(trainer, lambda requests=requests, fit=fit: requests.append(fit))
+        timer._start_time[RunningStage.TRAINING] = time.monotonic()  # just started: not yet
+        timer.on_train_batch_end(trainer, None, None, None, 0)
+        timer._start_time[RunningStage.TRAINING] = time.monotonic() - 5  # past the 1 s limit
+        for batch in range(3):
+            timer.on_train_batch_end(trainer, None, None, None, batch)
+        assert requests == [fit]  # once per fit, though asked at every batch end
+        _compat.restore_step_timers(trainer)
+        _compat.restore_step_timers(trainer)
+        assert "on_train_batch_end" not in timer.__dict__
+    assert _compat.replace_sigterm_broadcast(trainer, lambda: False)
+    assert _compat.step_schedulers_by_rounds(trainer)
+    assert set(vars(loop)) == {"_broadcast_sigterm_tensor", "_update_learning_rates"}
+    for _ in range(2):
+        _compat.restore_sigterm_broadcast(trainer)
+        _compat.restore_scheduler_stepping(trainer)
+    assert vars(loop) == {}
+    bare = SimpleNamespace(callbacks=[])  # no fit loop: nothing to give back
+    _compat.restore_sigterm_broadcast(bare), _compat.restore_scheduler_stepping(bare)
+    _compat.restore_time_validation(bare), _compat.restore_step_timers(bare)
+
+
 @pytest.mark.parametrize("final, completed, ends, sync_from, epoch, expected", [
     (None, 0, {}, None, 0, (None, None)),  # mid-epoch
     (None, 1, {0: 10}, None, 0, ("epoch", 10)),

@@ -539,6 +539,8 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             if self.lightning_module is not None and self.lightning_module._trainer is not None:
                 self._clock.restore(self._trainer)
             self._clock = None
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            _compat.restore_sigterm_broadcast(self._trainer)  # Lightning's own for a later fit of this trainer
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
