@@ -97,9 +97,10 @@ def _main(module: str, argv: list[str], env: dict[str, str], cwd: str, stdout: s
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    for path, fd in ((stdout, 1), (stderr, 2)):
-        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(handle, fd)
+    for path, fds in ([(stdout, (1, 2))] if stdout == stderr else [(stdout, (1,)), (stderr, (2,))]):
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # one file: one offset for both
+        for fd in fds:
+            os.dup2(handle, fd)
         os.close(handle)
     added = {k: v for k, v in os.environ.items() if k not in _SERVER_START_ENV}  # by the preloaded imports
     os.environ.clear()
@@ -130,13 +131,21 @@ def _read(path: Path) -> str:
 
 class Forked:
     """A script running in a forked process, with what the tests use of ``subprocess.Popen``'s interface
-    (``pid``, ``returncode``, ``poll``, ``wait``, ``communicate``, ``kill``); stdout and stderr go to files."""
+    (``pid``, ``returncode``, ``poll``, ``wait``, ``communicate``, ``kill``, ``send_signal``); stdout and
+    stderr go to files (both to ``log`` where given, as ``stderr=subprocess.STDOUT`` into a file would).
+
+    Built directly (not through :func:`start`), it runs any ``python -m <module>`` command, whatever its
+    ``--launch``: the tests that start each rank by hand, as torchrun would, set the rank's variables in ``env``.
+    """
 
     def __init__(self, command: Sequence[str], env: Optional[dict[str, str]],
-                 cwd: Optional[os.PathLike[str] | str]) -> None:
+                 cwd: Optional[os.PathLike[str] | str], *, log: Optional[Path] = None) -> None:
         self.args = list(command)
         self._folder = tempfile.TemporaryDirectory(prefix="forkrun")
-        self._stdout, self._stderr = Path(self._folder.name) / "stdout", Path(self._folder.name) / "stderr"
+        if log is not None:
+            self._stdout = self._stderr = Path(log)
+        else:
+            self._stdout, self._stderr = Path(self._folder.name) / "stdout", Path(self._folder.name) / "stderr"
         self._process = _server().Process(  # type: ignore[attr-defined]
             target=_main, name=f"forkrun {self.args[2]}",
             args=(self.args[2], self.args[3:], dict(os.environ if env is None else env), str(cwd or os.getcwd()),
@@ -165,6 +174,10 @@ class Forked:
     def output(self) -> tuple[str, str]:
         """What the process wrote to stdout and stderr so far."""
         return _read(self._stdout), _read(self._stderr)
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
 
     def kill(self) -> None:
         if self._process.exitcode is None:

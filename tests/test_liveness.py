@@ -2,7 +2,10 @@
 
 Each rank is its own process, started by hand as torchrun or SLURM would start
 them on separate machines (``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_PORT`` set, so
-Lightning launches nothing): a survivor's exit is its own, not a launcher's.
+Lightning launches nothing): a survivor's exit is its own, not a launcher's. Each is
+forked from the tests' preloaded server (``tests/forkrun.py``), a sibling of the
+others, so that four ranks do not pay four interpreters' imports of Lightning
+(``LP_TESTS_FORKSERVER=0``: fresh interpreters).
 ``collective_timeout`` is 4 s here (60 s by default); the bounds below are the
 acceptance bound (``collective_timeout + 30 s``) plus the time a 2-core host
 needs to start and tear down four Lightning processes, and they are hang
@@ -38,23 +41,25 @@ COLLECTIVE_TIMEOUT_S = int(os.environ.get("LIVENESS_COLLECTIVE_TIMEOUT_S", "4"))
 STRATEGIES = ["eager_sgd", "wagma_sgd", "ds_sync", "abs_sgd"]
 
 
-def start_ranks(out: Path, *options: str) -> list[subprocess.Popen]:
+def start_ranks(out: Path, *options: str) -> list[forkrun.Forked | subprocess.Popen]:
     """``WORLD`` processes of tests/scripts/fit.py, one per rank, each logging to ``out/rank<R>.log``."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    procs = []
+    procs: list[forkrun.Forked | subprocess.Popen] = []
     for rank in range(WORLD):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "LOCAL_RANK": str(rank),
                "NODE_RANK": "0", "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        command = [sys.executable, "-m", SCRIPT, "--out", str(out), "--devices", str(WORLD), *options]
+        if os.environ.get("LP_TESTS_FORKSERVER", "1") != "0":
+            procs.append(forkrun.Forked(command, env, None, log=out / f"rank{rank}.log"))
+            continue
         with open(out / f"rank{rank}.log", "w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", SCRIPT, "--out", str(out), "--devices", str(WORLD), *options],
-                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            ))
+            procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL))
     return procs
 
 
-def wait_all(procs: list[subprocess.Popen], seconds: float) -> list[int | None]:
+def wait_all(procs: list[forkrun.Forked | subprocess.Popen], seconds: float) -> list[int | None]:
     """Each process's exit code, or ``None`` for one still running after ``seconds``.
 
     Prints how long each took (the closing note's figures at the defaults come from it).
@@ -71,12 +76,14 @@ def wait_all(procs: list[subprocess.Popen], seconds: float) -> list[int | None]:
     return [p.poll() for p in procs]
 
 
-def kill_all(procs: list[subprocess.Popen]) -> None:
+def kill_all(procs: list[forkrun.Forked | subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGCONT)
             p.kill()
         p.wait()
+        if isinstance(p, forkrun.Forked):
+            p.close()
 
 
 def strategy_options(strategy: str, **extra: object) -> list[str]:
