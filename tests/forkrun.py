@@ -27,6 +27,10 @@ every other rank: the tests of what torchrun and SLURM users run), ``--spy``
 (the default-group spy must patch ``torch.distributed`` before Lightning is
 imported), and an environment that changes a variable read at start-up only
 (:data:`STARTUP_ONLY`). ``LP_TESTS_FORKSERVER=0`` turns it off for every call.
+
+A test that starts each rank itself, as torchrun would (the rank's variables in
+the environment, so that Lightning launches nothing), may build :class:`Forked`
+directly: one process per rank still, each a sibling of the others.
 """
 
 from __future__ import annotations
@@ -177,7 +181,10 @@ class Forked:
 
     def send_signal(self, signum: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, signum)
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:  # ended, and reaped by the server, since the poll: as Popen.send_signal
+                pass
 
     def kill(self) -> None:
         if self._process.exitcode is None:

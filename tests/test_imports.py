@@ -29,11 +29,19 @@ def case(name: str, code: str) -> str:
 
 
 def run_python(code: str) -> subprocess.CompletedProcess[str]:
-    """Runs ``code`` in a new interpreter."""
+    """Runs ``code`` in a new interpreter; one that runs past 120 s is killed and reported as failed (its own
+    test fails with its output, not every test of the module)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, stdin=subprocess.DEVNULL)
+    command = [sys.executable, "-c", code]
+    try:
+        return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as err:
+        def text(out: bytes | str | None) -> str:
+            return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+
+        return subprocess.CompletedProcess(command, -1, text(err.stdout), text(err.stderr) + "\ntimed out after 120 s")
 
 
 @pytest.fixture(scope="module")
