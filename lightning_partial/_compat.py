@@ -40,9 +40,10 @@ def _shadow(obj: Any, name: str, replacement: Callable[..., Any]) -> None:
     obj.__dict__[name] = replacement
 
 
-def _unshadow(obj: Any, name: str) -> Optional[Callable[..., Any]]:
-    """Undoes :func:`_shadow` (idempotent); returns the replacement that was in front, if any."""
-    return obj.__dict__.pop(name, None) if obj is not None else None
+def _unshadow(obj: Any, name: str) -> None:
+    """Undoes :func:`_shadow` (idempotent; nothing to do for ``obj`` ``None``)."""
+    if obj is not None:
+        obj.__dict__.pop(name, None)
 
 
 def _shadowing(obj: Any, name: str) -> Optional[Callable[..., Any]]:

@@ -65,11 +65,16 @@ _lock = threading.Lock()
 _context: Optional[multiprocessing.context.BaseContext] = None
 
 
+def server_on() -> bool:
+    """Whether the preloaded server is in use at all (``LP_TESTS_FORKSERVER=0`` turns it off)."""
+    return os.environ.get("LP_TESTS_FORKSERVER", "1") != "0"
+
+
 def enabled(command: Sequence[str], env: Optional[dict[str, str]] = None) -> bool:
     """Whether ``command`` may run in a forked process (see the module docstring)."""
     args = list(command)
     given = os.environ if env is None else env
-    return (os.environ.get("LP_TESTS_FORKSERVER", "1") != "0" and len(args) >= 3 and args[0] == sys.executable
+    return (server_on() and len(args) >= 3 and args[0] == sys.executable
             and args[1] == "-m" and "--spy" not in args and _launch(args) == "fork"
             and all(given.get(name) == os.environ.get(name) for name in STARTUP_ONLY))
 

@@ -50,7 +50,7 @@ def start_ranks(out: Path, *options: str) -> list[forkrun.Forked | subprocess.Po
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "LOCAL_RANK": str(rank),
                "NODE_RANK": "0", "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         command = [sys.executable, "-m", SCRIPT, "--out", str(out), "--devices", str(WORLD), *options]
-        if os.environ.get("LP_TESTS_FORKSERVER", "1") != "0":
+        if forkrun.server_on():
             procs.append(forkrun.Forked(command, env, None, log=out / f"rank{rank}.log"))
             continue
         with open(out / f"rank{rank}.log", "w") as log:

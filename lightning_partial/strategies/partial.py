@@ -535,12 +535,12 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
 
     def _close_engines(self) -> None:
         self._pending_saves.clear()  # saves called for by rounds after the last batch: none is taken
-        if self._clock is not None:
-            if self.lightning_module is not None and self.lightning_module._trainer is not None:
-                self._clock.restore(self._trainer)
-            self._clock = None
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
-            _compat.restore_sigterm_broadcast(self._trainer)  # Lightning's own for a later fit of this trainer
+            # Lightning's own handling back, for a later fit of this trainer.
+            if self._clock is not None:
+                self._clock.restore(self._trainer)
+            _compat.restore_sigterm_broadcast(self._trainer)
+        self._clock = None
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
