@@ -12,6 +12,8 @@ import signal
 import threading
 from typing import Any, Callable, Optional
 
+import torch
+
 from lightning.fabric.utilities.distributed import (  # noqa: F401 - re-exported
     _all_gather_ddp_if_available,
     _distributed_is_initialized,
@@ -417,7 +419,7 @@ def save_time_checkpoint(callback: Any, trainer: Any, now: float, *, skip_same_s
     callback._last_time_checked = now
     if trainer.fast_dev_run or (skip_same_step and callback._last_global_step_saved == trainer.global_step):
         return  # Lightning saves nothing under fast_dev_run
-    candidates = callback._monitor_candidates(trainer)
+    candidates = _agreed_candidates(callback, trainer)
     if callback.monitor is not None and callback.monitor not in candidates:
         callback._defer_save_until_validation = True
         return
@@ -433,9 +435,27 @@ def save_step_checkpoint(callback: Any, trainer: Any) -> None:
     """
     if trainer.fast_dev_run:
         return  # Lightning saves nothing under fast_dev_run
-    candidates = callback._monitor_candidates(trainer)
+    candidates = _agreed_candidates(callback, trainer)
     callback._save_topk_checkpoint(trainer, candidates)
     callback._save_last_checkpoint(trainer, candidates)
+
+
+def _agreed_candidates(callback: Any, trainer: Any) -> dict[str, Any]:
+    """``callback``'s monitor candidates (epoch, step, logged metrics) as rank 0 has them, on every rank.
+
+    Every rank, main thread, at a save every rank takes part in: one ``strategy.broadcast`` (the
+    strategy's collective group). ``ModelCheckpoint`` names the file from these values on every rank,
+    and its version counter broadcasts once per name it tries (``file_exists``) for as long as rank 0's
+    answer is "exists" and the name is not the one this rank saved last: ranks that name the same save
+    differently issue different numbers of broadcasts, and the next collective pairs with the wrong one
+    (a hang, not an error). Under ``abs_sgd`` a rank reaches a save at its own global step, so the
+    names differ; with rank 0's values every rank decides rank 0's names (the file rank 0 writes) and
+    the same top-k updates. The values come as CPU tensors (an object broadcast of a CUDA tensor would
+    land on rank 0's device index).
+    """
+    candidates = {key: value.detach().cpu() if isinstance(value, torch.Tensor) else value
+                  for key, value in callback._monitor_candidates(trainer).items()}
+    return trainer.strategy.broadcast(candidates, src=0)
 
 
 def skippable_closure(closure: Any) -> bool:

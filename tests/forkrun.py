@@ -224,7 +224,10 @@ def run(command: Sequence[str], *, env: Optional[dict[str, str]] = None, timeout
             returncode = process.wait(timeout)
         except subprocess.TimeoutExpired:
             process.kill()
-            raise subprocess.TimeoutExpired(process.args, timeout or 0.0, *process.output()) from None
+            out, err = process.output()
+            # pytest shows an exception's message, not its output: the tail goes to the test's captured stderr.
+            sys.stderr.write(f"did not end within {timeout}s: {' '.join(process.args)}\n{err[-8000:]}\n")
+            raise subprocess.TimeoutExpired(process.args, timeout or 0.0, out, err) from None
         except BaseException:  # pytest-timeout's signal, Ctrl-C: as subprocess.run, never leave the child running
             process.kill()
             raise

@@ -105,8 +105,10 @@ def test_abs_sgd_ends_and_saves_at_the_same_round_whatever_its_batches(tmp_path,
     however the rounds fell into its batches (each file a consistent cut)."""
     out = tmp_path / "run"
     records = timed_fit(out, "abs_sgd", "--speed", "1,1,0.5,0.25", "--checkpoint-seconds", "0.5",
-                        "--checkpoint-every", "7", "--strategy-kw", json.dumps({"delay": delay}), seconds=4.0)
+                        "--checkpoint-every", "7", "--strategy-kw", json.dumps({"delay": delay, "timeout": 60}),
+                        seconds=4.0)
     assert_finished_alike(out, records)
+    assert all(r["saved_names"] == records[0]["saved_names"] for r in records)  # each file named as rank 0 does
     if delay == 1:
         batches = [sum(r["epoch_batches"]) for r in records]
         assert batches[0] > batches[3], batches  # the case Lightning's per-batch broadcast cannot pair
@@ -126,15 +128,25 @@ def test_abs_sgd_saves_before_every_epoch_end_on_every_rank(tmp_path):
     0.5, 0.25, a step checkpoint at every step, validation (a collective) at each of 3 epoch ends: a rank
     applies a round in its own batch, so the saves of the rounds before an epoch's last round run at the end
     of the epoch's last batch on every rank, before validation; every rank saves as often and validates at
-    every epoch end, and the replicas end bit-identical."""
+    every epoch end, and the replicas end bit-identical.
+
+    A rank reaches a save at its own global step, yet every rank names each file as rank 0 does
+    (``ModelCheckpoint``'s version counter broadcasts once per name it tries: ranks that named a save
+    differently paired their later collectives wrongly and hung). ``timeout`` bounds every wait at 60 s,
+    so that such a mismatch fails naming the rank instead of outlasting the test."""
     out = tmp_path / "run"
     command = fit_command(out, "--strategy", "abs_sgd", "--max-epochs", "3", "--speed", "1,1,0.5,0.25",
                           "--checkpoint-every", "1", "--validate",
-                          "--strategy-kw", json.dumps({"delay": 1, "final_sync": 0.0}), launch="fork")
+                          "--strategy-kw", json.dumps({"delay": 1, "final_sync": 0.0, "timeout": 60}),
+                          launch="fork")
     proc = forkrun.run(command, env=FIT_ENV, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
     assert len({len(r["saved_at"]) for r in records}) == 1 and records[0]["saved_at"], records[0]["saved_at"]
     assert all(len(r["validated_at"]) == 3 for r in records), [r["validated_at"] for r in records]
     assert len({r["global_step"] for r in records}) == 1
+    # Some saves found the ranks at different global steps (the case); every file was named alike.
+    saved = [r["saved_at"] for r in records]
+    assert any(len(set(steps)) > 1 for steps in zip(*saved)), saved
+    assert all(r["saved_names"] == records[0]["saved_names"] for r in records)
     assert_identical(out)

@@ -164,6 +164,11 @@ class EpochProbe(L.Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         # Every rank takes part in every save: the global step of each, in order.
         self.saved_at = [*getattr(self, "saved_at", []), trainer.global_step]
+        # The file names this rank decided (rank 0 writes the files; Lightning's version counter issues
+        # a broadcast per name it tries, so every rank must decide the same names).
+        self.saved_names = [*getattr(self, "saved_names", []),
+                            [[Path(c.best_model_path).name, Path(c.last_model_path).name]
+                             for c in trainer.checkpoint_callbacks]]
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         # Every optimizer step, the strategies' own (eager_sgd's final flush step) included.
@@ -375,6 +380,7 @@ def main() -> None:
         record["epoch_first_batch"] = epochs.first_sizes
         record["before_optimizer_steps"] = getattr(epochs, "before_steps", 0)
         record["saved_at"] = getattr(epochs, "saved_at", [])
+        record["saved_names"] = getattr(epochs, "saved_names", [])
         last = getattr(trainer.strategy, "round_stats", {}).get(0)
         record["last_round"] = {"round": last.round_index, "flush": last.flush,
                                 "contributions": last.contributions} if last is not None else None
