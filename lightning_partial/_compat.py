@@ -396,10 +396,50 @@ def take_over_time_checkpoint(callback: Any) -> Optional[float]:
     return float(interval.total_seconds())
 
 
+# ModelCheckpoint's hooks that may save at an epoch end (every rank runs them at the same point).
+_EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_end")
+
+
+def agree_epoch_end_checkpoints(callback: Any) -> None:
+    """Runs ``ModelCheckpoint`` ``callback``'s epoch-end hooks on every rank as rank 0 runs them, for a fit whose
+    ranks end an epoch at different global steps (``abs_sgd``). :func:`restore_checkpoint_triggers` undoes it.
+
+    Each hook decides from this rank's own values whether to save (``_last_global_step_saved ==
+    trainer.global_step``: saved at this step already; with ``save_last="link"`` a link at every epoch
+    end otherwise) and how to name the file (the monitor candidates): a rank that decided otherwise
+    than another issues a different number of collectives (the save's quiesce, the version counter's,
+    the link's barrier) and the ranks fail or hang at the next one. Each hook now first takes rank 0's
+    answer to "saved at this step" and rank 0's candidates (one broadcast on the strategy's group).
+    """
+    for name in _EPOCH_END_HOOKS:
+        if _shadowing(callback, name) is None:
+            _shadow(callback, name, _as_rank_zero(callback, getattr(type(callback), name)))
+
+
+def _as_rank_zero(callback: Any, hook: Callable[..., None]) -> Callable[..., None]:
+    def run(trainer: Any, pl_module: Any) -> None:
+        saved_here = callback._last_global_step_saved == trainer.global_step
+        saved_here, candidates = trainer.strategy.broadcast((saved_here, _host_candidates(callback, trainer)), src=0)
+        # Lightning compares this with the rank's own step: equal exactly where rank 0's are.
+        callback._last_global_step_saved = trainer.global_step if saved_here else -1
+        _shadow(callback, "_monitor_candidates", lambda _trainer: dict(candidates))
+        try:
+            hook(callback, trainer, pl_module)
+        finally:
+            _unshadow(callback, "_monitor_candidates")
+
+    run.as_rank_zero = True  # type: ignore[attr-defined]
+    return run
+
+
 def restore_checkpoint_triggers(callback: Any) -> None:
-    """Undoes :func:`take_over_step_checkpoints` and :func:`take_over_time_checkpoint` (idempotent)."""
+    """Undoes :func:`take_over_step_checkpoints`, :func:`take_over_time_checkpoint` and
+    :func:`agree_epoch_end_checkpoints` (idempotent)."""
     if getattr(_shadowing(callback, "on_train_batch_end"), "quiet_triggers", None) is not None:
         _unshadow(callback, "on_train_batch_end")
+    for name in _EPOCH_END_HOOKS:
+        if getattr(_shadowing(callback, name), "as_rank_zero", False):
+            _unshadow(callback, name)
 
 
 def time_since_checkpoint(callback: Any, now: float) -> float:
@@ -445,17 +485,21 @@ def _agreed_candidates(callback: Any, trainer: Any) -> dict[str, Any]:
 
     Every rank, main thread, at a save every rank takes part in: one ``strategy.broadcast`` (the
     strategy's collective group). ``ModelCheckpoint`` names the file from these values on every rank,
-    and its version counter broadcasts once per name it tries (``file_exists``) for as long as rank 0's
-    answer is "exists" and the name is not the one this rank saved last: ranks that name the same save
-    differently issue different numbers of broadcasts, and the next collective pairs with the wrong one
-    (a hang, not an error). Under ``abs_sgd`` a rank reaches a save at its own global step, so the
+    and its version counter runs a collective per name it tries (``file_exists``) for as long as rank
+    0's answer is "exists" and the name is not the one this rank saved last: ranks that name the same
+    save differently issue different numbers of collectives, and the next one pairs with the wrong one
+    (a failure or a hang). Under ``abs_sgd`` a rank reaches a save at its own global step, so the
     names differ; with rank 0's values every rank decides rank 0's names (the file rank 0 writes) and
     the same top-k updates. The values come as CPU tensors (an object broadcast of a CUDA tensor would
     land on rank 0's device index).
     """
-    candidates = {key: value.detach().cpu() if isinstance(value, torch.Tensor) else value
-                  for key, value in callback._monitor_candidates(trainer).items()}
-    return trainer.strategy.broadcast(candidates, src=0)
+    return trainer.strategy.broadcast(_host_candidates(callback, trainer), src=0)
+
+
+def _host_candidates(callback: Any, trainer: Any) -> dict[str, Any]:
+    """``callback``'s monitor candidates with every tensor on the host (to be sent as an object)."""
+    return {key: value.detach().cpu() if isinstance(value, torch.Tensor) else value
+            for key, value in callback._monitor_candidates(trainer).items()}
 
 
 def skippable_closure(closure: Any) -> bool:

@@ -130,13 +130,14 @@ def test_abs_sgd_saves_before_every_epoch_end_on_every_rank(tmp_path):
     of the epoch's last batch on every rank, before validation; every rank saves as often and validates at
     every epoch end, and the replicas end bit-identical.
 
-    A rank reaches a save at its own global step, yet every rank names each file as rank 0 does
-    (``ModelCheckpoint``'s version counter broadcasts once per name it tries: ranks that named a save
-    differently paired their later collectives wrongly and hung). ``timeout`` bounds every wait at 60 s,
-    so that such a mismatch fails naming the rank instead of outlasting the test."""
+    A rank reaches a save, and an epoch end, at its own global step, yet every rank names each file as
+    rank 0 does (``ModelCheckpoint``'s version counter runs a collective per name it tries) and takes the
+    same epoch-end decisions (``save_last="link"`` links at an epoch end unless it saved at that step):
+    ranks that decided otherwise paired their later collectives wrongly, and failed or hung. ``timeout``
+    bounds every wait at 60 s, so that such a mismatch fails naming the rank instead of outlasting the test."""
     out = tmp_path / "run"
     command = fit_command(out, "--strategy", "abs_sgd", "--max-epochs", "3", "--speed", "1,1,0.5,0.25",
-                          "--checkpoint-every", "1", "--validate",
+                          "--checkpoint-every", "1", "--save-last", "link", "--validate",
                           "--strategy-kw", json.dumps({"delay": 1, "final_sync": 0.0, "timeout": 60}),
                           launch="fork")
     proc = forkrun.run(command, env=FIT_ENV, timeout=240)

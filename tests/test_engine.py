@@ -6,6 +6,7 @@ import contextlib
 import functools
 import operator
 import random
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -438,6 +439,54 @@ def test_store_stays_flat():
 
     run_threads(P, fn)
     assert counts[239] <= counts[40] + 2 * P, counts
+
+
+def _control_stores(kind: str):
+    """The store two ControlPlanes share (each opens its own clients of it), of each kind c10d has."""
+    if kind.startswith("tcp"):
+        return dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False,
+                             use_libuv=kind == "tcp_libuv")
+    if kind == "file":
+        return dist.FileStore(tempfile.mktemp(prefix="lp_control_"), 2)
+    return dist.HashStore()
+
+
+@pytest.mark.parametrize("kind", ["tcp_libuv", "tcp_classic", "file", "hash"])
+def test_a_wake_wakes_its_thread_and_never_hides_another_ranks_activation(kind):
+    """The activation key a rank's own wake() shares with the rounds, on every kind of store: a wake
+    unblocks that rank's thread waiting for the round; a round that another rank activated reads as
+    activated on this rank whichever came first (a wake that replaced an activation left a paused rank's
+    communication thread waiting for an activation of its own); a wake alone reads as a wake."""
+    from lightning_partial.collectives.control import ControlPlane
+
+    store = _control_stores(kind)
+    me, other = (ControlPlane(store, name=f"wake-{kind}", rank=r, world_size=2, timeout=timedelta(seconds=30))
+                 for r in range(2))
+    waited: list[BaseException | None] = []
+
+    def wait() -> None:
+        try:
+            me.wait_activated(5, timedelta(seconds=30))
+            waited.append(None)
+        except BaseException as err:  # noqa: BLE001 - reported by the assert below
+            waited.append(err)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    thread.join(0.5)  # let it block in the store's wait (the wake ends the wait whenever it comes)
+    me.wake(5)
+    thread.join(60)
+    assert waited == [None] and me.only_woken(5) and not me.is_activated(5), waited
+
+    other.activate_from_comm(7)
+    me.wake(7)  # after another rank's activation
+    me.wake(8)
+    other.activate_from_comm(8)  # before it
+    for r in (7, 8):
+        assert me.is_activated(r) and not me.only_woken(r)
+    me.wake(9)
+    me.wake(9)
+    assert not me.is_activated(9) and me.only_woken(9)
 
 
 def test_close_is_bounded_and_idempotent():

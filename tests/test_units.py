@@ -393,6 +393,53 @@ def test_a_checkpoint_trigger_taken_over_keeps_its_state_key_and_saves_nothing_b
     assert "on_train_batch_end" not in callback.__dict__ and callback.state_key == key
 
 
+def test_epoch_end_checkpoint_hooks_run_with_rank_zeros_step_decision_and_candidates(tmp_path):
+    """abs_sgd's ranks end an epoch at different global steps: a ModelCheckpoint's epoch-end hooks take rank 0's
+    answer to "saved at this step" and rank 0's monitor candidates from one broadcast (here a stand-in
+    strategy answering as rank 0; the 4-process fit in test_agreed_clock runs it across real ranks), whatever
+    this rank's own; the candidates are gone after the hook, and restoring leaves the callback as it came."""
+    from types import SimpleNamespace
+
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_partial import _compat
+
+    seen = []
+
+    class Recording(ModelCheckpoint):
+        def on_validation_end(self, trainer, pl_module):
+            seen.append((self._last_global_step_saved == trainer.global_step, self._monitor_candidates(trainer)))
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            seen.append((self._last_global_step_saved == trainer.global_step, self._monitor_candidates(trainer)))
+
+    callback = Recording(dirpath=tmp_path, every_n_train_steps=1, save_last="link")
+    key = callback.state_key
+    rank_zero = {"epoch": torch.tensor(1), "step": torch.tensor(36)}
+    sent, answer = [], {}
+
+    def broadcast(obj, src=0):
+        sent.append(obj)
+        return (answer["saved"], rank_zero)
+
+    trainer = SimpleNamespace(global_step=37, current_epoch=1, callback_metrics={},
+                              strategy=SimpleNamespace(broadcast=broadcast))
+    _compat.agree_epoch_end_checkpoints(callback)
+    _compat.agree_epoch_end_checkpoints(callback)  # once per hook, however often asked
+    for answer["saved"], own in ((True, 30), (False, 37)):
+        callback._last_global_step_saved = own  # this rank's own answer is the other one
+        callback.on_validation_end(trainer, None)
+        callback.on_train_epoch_end(trainer, None)
+    assert [s[0] for s in seen] == [True, True, False, False]
+    assert all(s[1] == rank_zero for s in seen)
+    assert sent[0][0] is False and int(sent[0][1]["step"]) == 37  # what this rank offered: its own
+    assert "_monitor_candidates" not in callback.__dict__
+    _compat.restore_checkpoint_triggers(callback)
+    _compat.restore_checkpoint_triggers(callback)
+    assert not {"on_validation_end", "on_train_epoch_end"} & set(callback.__dict__) and callback.state_key == key
+
+
 def test_a_time_limit_taken_over_asks_once_per_fit_and_every_restore_gives_the_methods_back():
     """The Timer's batch-end hook requests the finish once (rank 0, once the time is up), issues no broadcast, and
     is taken over afresh by the next fit of the same trainer; each restore is idempotent, leaves no instance

@@ -10,9 +10,10 @@ was activated without posting anything itself. Per round the keys are
     counter of activation conditions met for round ``r``, used only when
     ``max_staleness`` adds a second condition (the gate) to the mode's one.
 ``go/<r>/<i>``
-    set (one ``multi_set`` for all ``i``) when round ``r`` is activated; rank
-    ``i``'s communication thread blocks in ``store.wait`` on its own key, so
-    that ``close()`` can wake exactly that thread without touching the others.
+    set to ``"1"`` (one ``multi_set`` for all ``i``) when round ``r`` is activated;
+    rank ``i``'s communication thread blocks in ``store.wait`` on its own key, so
+    that ``close()`` can wake exactly that thread without touching the others
+    (``wake`` creates the key as ``"0"`` where no activation has set it).
 
 Keys are deleted once nobody can touch them again (the last adder of ``n/q``
 and ``g/r``, rank ``i`` for ``go/r/i``), so the store stays flat however long
@@ -42,6 +43,17 @@ from lightning_partial.collectives.errors import PartialCollectiveError, Partial
 from lightning_partial.collectives.store import clone_store
 
 
+# The activation key's value when only the rank's own wake() set it; an activation sets "1".
+WOKEN = "0"
+
+
+def _innermost(store: dist.Store) -> dist.Store:
+    """The store under any ``PrefixStore`` wrappers."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
 class ControlPlane:
     """Arrival counters and activation keys of one engine, on one rank."""
 
@@ -61,6 +73,7 @@ class ControlPlane:
         self.timeout = timeout
         self.op_timeout = timeout if op_timeout is None else op_timeout
         self.main = dist.PrefixStore(prefix, clone_store(store))
+        self._hash_store = isinstance(_innermost(store), dist.HashStore)  # see wake()
         self.comm = dist.PrefixStore(prefix, clone_store(store))
         # The clients' default bound serves the calls that are not waits; a wait passes its own.
         self.comm.set_timeout(self.op_timeout)
@@ -97,10 +110,10 @@ class ControlPlane:
         keys = [f"go/{round_index}/{i}" for i in range(self.world_size)]
         self._call(lambda: self.comm.multi_set(keys, ["1"] * len(keys)), round_index, "activate")
 
-    def activation_value(self, round_index: int) -> str:
-        """Communication thread, once the key exists: ``"woken"`` if only :meth:`wake` set it."""
+    def only_woken(self, round_index: int) -> bool:
+        """Communication thread, once the key exists: whether only :meth:`wake` set it (no rank activated the round)."""
         key = f"go/{round_index}/{self.rank}"
-        return self._call(lambda: self.comm.get(key), round_index, "read the activation").decode()
+        return self._call(lambda: self.comm.get(key), round_index, "read the activation").decode() == WOKEN
 
     def is_activated(self, round_index: int) -> bool:
         """Caller's thread: whether this rank's activation key of ``round_index`` is set."""
@@ -108,7 +121,7 @@ class ControlPlane:
         if not self._call(lambda: self.main.check([key]), round_index, "check the activation"):
             return False
         value = self._call(lambda: self.main.get(key), round_index, "read the activation").decode()
-        return value != "woken"  # only this rank's own wake() set it
+        return value != WOKEN  # only this rank's own wake() set it
 
     def discard(self, key: str) -> None:
         with self._garbage_lock:
@@ -125,9 +138,21 @@ class ControlPlane:
         )
 
     def wake(self, round_index: int) -> None:
-        """Unblocks this rank's communication thread waiting on ``round_index`` (flush, close)."""
+        """Unblocks this rank's communication thread waiting on ``round_index`` (flush, close, a request).
+
+        Never replaces an activation: a plain ``set`` could land just after another rank's
+        activation and hide it (:meth:`only_woken`, :meth:`is_activated`), and a thread that then
+        reads "woken" while its rank is paused waits for an activation of its own of a round the
+        others are already in. ``add(key, 0)`` leaves an activation's ``"1"`` as it is and creates
+        ``"0"`` otherwise; a ``HashStore``'s ``add`` wakes no waiter, so there ``compare_set``
+        creates it (which a classic, non-libuv ``TCPStore`` server does not announce to waiters).
+        """
         key = f"go/{round_index}/{self.rank}"
-        self._call(lambda: self.main.set(key, "woken"), round_index, "wake the communication thread")
+        what = "wake the communication thread"
+        if self._hash_store:
+            self._call(lambda: self.main.compare_set(key, "", WOKEN), round_index, what)
+        else:
+            self._call(lambda: self.main.add(key, 0), round_index, what)
 
     def collect(self, round_index: int, *, activated_through_store: bool) -> None:
         """Deletes this rank's activation key of a completed round and any discarded keys."""

@@ -615,7 +615,7 @@ class DelayedAllreduce(PartialAllreduce):
             with self._cond:
                 if self._no_activation_needed(r):
                     return
-            if self._control.activation_value(r) != "woken":
+            if not self._control.only_woken(r):
                 return  # another rank activated it
             with self._cond:
                 retry_now = self._may_activate(r)

@@ -343,6 +343,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self._end_boundary: Optional[int] = None
         # The ModelCheckpoint(every_n_train_steps=n) callbacks this strategy triggers.
         self._step_checkpoints: list[_StepCheckpoint] = []
+        # Every ModelCheckpoint of this fit (their epoch-end hooks run as on rank 0; given back at teardown).
+        self._checkpoints: list[ModelCheckpoint] = []
         #: Micro-batches per synchronous round (``AdaptiveBatchSize`` sets it at the same round on every rank, to
         #: the same value: the ranks' batches stay in lock-step, so a per-batch collective pairs the same batches;
         #: main thread only): the first ``n - 1`` of each round are deposited without arriving.
@@ -374,11 +376,13 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                                                    spike=True)
         self._delay = self._resolve_delay(trainer)
         self._step_checkpoints = []
-        for cb in trainer.checkpoint_callbacks:
-            if isinstance(cb, ModelCheckpoint):
-                every = _compat.take_over_step_checkpoints(cb)
-                if every:
-                    self._step_checkpoints.append(_StepCheckpoint(cb, every))
+        self._checkpoints = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+        for cb in self._checkpoints:
+            # A rank ends an epoch at its own global step: the epoch-end saves are decided as on rank 0.
+            _compat.agree_epoch_end_checkpoints(cb)
+            every = _compat.take_over_step_checkpoints(cb)
+            if every:
+                self._step_checkpoints.append(_StepCheckpoint(cb, every))
         if not any(isinstance(cb, _EpochEndSaves) for cb in trainer.callbacks):
             trainer.callbacks.append(_EpochEndSaves(self))  # removed at teardown
 
@@ -830,9 +834,10 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
 
     @override
     def teardown(self) -> None:
-        for trigger in self._step_checkpoints:
-            _compat.restore_checkpoint_triggers(trigger.callback)  # the user's callback as it came
-        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        for cb in self._checkpoints:
+            _compat.restore_checkpoint_triggers(cb)  # the user's callback as it came
+        self._checkpoints = []
+        trainer = self._attached_trainer
         if trainer is not None:
             trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, _EpochEndSaves)]
         if self._user_sampler is not None:  # the user's sampler leaves this fit at the size it came with

@@ -485,7 +485,7 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         """:meth:`PartialStrategy.load_checkpoint`; without ``overlap``, refuses (when fitting) a checkpoint that
         holds a round result not yet applied (saved with ``overlap=True``): it would be lost."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = self._attached_trainer
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if fitting and not self.overlap and checkpoint.get(IN_FLIGHT_KEY):
             raise CheckpointMismatchError(

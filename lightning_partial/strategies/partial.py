@@ -282,6 +282,11 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         assert self.lightning_module is not None
         return self.lightning_module.trainer
 
+    @property
+    def _attached_trainer(self) -> Optional["pl.Trainer"]:
+        """The module's trainer; ``None`` without a module or where the module is attached to none."""
+        return getattr(self.lightning_module, "_trainer", None)
+
     def check_precision(self) -> None:
         """Refuses a gradient scaler (``precision="16-mixed"``) with a clear error."""
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
@@ -535,11 +540,12 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
 
     def _close_engines(self) -> None:
         self._pending_saves.clear()  # saves called for by rounds after the last batch: none is taken
-        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+        trainer = self._attached_trainer
+        if trainer is not None:
             # Lightning's own handling back, for a later fit of this trainer.
             if self._clock is not None:
-                self._clock.restore(self._trainer)
-            _compat.restore_sigterm_broadcast(self._trainer)
+                self._clock.restore(trainer)
+            _compat.restore_sigterm_broadcast(trainer)
         self._clock = None
         if self._heartbeat is not None:
             self._heartbeat.stop()
@@ -596,7 +602,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         Only when fitting: validate / test / predict load the weights and never touch the engines.
         """
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = self._attached_trainer
         if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
             self._resume_state = None
             for state in self._fit_states():

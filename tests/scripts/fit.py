@@ -249,6 +249,8 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, default=None, help="save <out>/mid.ckpt after this many steps")
     parser.add_argument("--save-epoch", type=int, default=None, help="save <out>/mid.ckpt at this epoch's end")
     parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to resume the fit from")
+    parser.add_argument("--save-last", choices=["true", "link"], default="true",
+                        help="--checkpoint-every's ModelCheckpoint(save_last=...): True, or 'link' (a link to the latest)")
     parser.add_argument("--checkpoint-every", type=int, default=None,
                         help="ModelCheckpoint(every_n_train_steps=N, save_top_k=-1, save_last=True) into <out>/ckpt")
     parser.add_argument("--sleep-at", default=None, help="BATCH:RANK:SECONDS: that rank sleeps in that step")
@@ -328,7 +330,7 @@ def main() -> None:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         checkpoints = ModelCheckpoint(dirpath=args.out / "ckpt", every_n_train_steps=args.checkpoint_every,
-                                      save_top_k=-1, save_last=True)
+                                      save_top_k=-1, save_last=True if args.save_last == "true" else "link")
     time_checkpoints = None
     if args.checkpoint_seconds is not None:
         from lightning.pytorch.callbacks import ModelCheckpoint
