@@ -422,11 +422,14 @@ def _as_rank_zero(callback: Any, hook: Callable[..., None]) -> Callable[..., Non
         saved_here, candidates = trainer.strategy.broadcast((saved_here, _host_candidates(callback, trainer)), src=0)
         # Lightning compares this with the rank's own step: equal exactly where rank 0's are.
         callback._last_global_step_saved = trainer.global_step if saved_here else -1
+        own = _shadowing(callback, "_monitor_candidates")  # a replacement of the user's, kept
         _shadow(callback, "_monitor_candidates", lambda _trainer: dict(candidates))
         try:
             hook(callback, trainer, pl_module)
         finally:
             _unshadow(callback, "_monitor_candidates")
+            if own is not None:
+                _shadow(callback, "_monitor_candidates", own)
 
     run.as_rank_zero = True  # type: ignore[attr-defined]
     return run

@@ -274,6 +274,8 @@ SETUP_CASES: list[tuple[str, SetupBuild, str]] = [
      r"abs_sgd: Trainer\(val_check_interval=<5 s>\) validates by time"),
     ("abs_sgd with gradient accumulation", lambda src, tmp: (ABSSGDStrategy(), {"accumulate_grad_batches": 2}),
      r"accumulate_grad_batches.*must be 1"),
+    ("abs_sgd with min_steps", lambda src, tmp: (ABSSGDStrategy(), {"min_steps": 5}),
+     r"abs_sgd: Trainer\(min_steps=5\) holds a stop.*Use min_epochs"),
     ("eager_sgd catch_up with gradient accumulation", lambda src, tmp: (
         EagerSGDStrategy(catch_up=True), {"accumulate_grad_batches": 2}),
      r"eager_sgd: catch_up=True skips whole batches.*accumulate_grad_batches=2\) must be 1"),

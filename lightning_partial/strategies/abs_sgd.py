@@ -372,6 +372,14 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                 f"{trainer.accumulate_grad_batches}) must be 1"
             )
         check_validation_schedule(trainer)
+        if trainer.min_steps:
+            # Lightning holds a stop back while the rank's *own* global_step is below min_steps.
+            raise ValueError(
+                f"abs_sgd: Trainer(min_steps={trainer.min_steps}) holds a stop (EarlyStopping, should_stop) back "
+                "until each rank's own global step reaches it, and the ranks reach a step in different batches, "
+                "so the fit would end on some ranks and go on on others. Use min_epochs: epoch ends are the same "
+                "round on every rank"
+            )
         self._staleness = compensation.resolve_all(self.staleness_rule, self.optimizers, owner=self.strategy_name,
                                                    spike=True)
         self._delay = self._resolve_delay(trainer)
