@@ -164,8 +164,8 @@ class EpochProbe(L.Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         # Every rank takes part in every save: the global step of each, in order.
         self.saved_at = [*getattr(self, "saved_at", []), trainer.global_step]
-        # The file names this rank decided (rank 0 writes the files; Lightning's version counter issues
-        # a broadcast per name it tries, so every rank must decide the same names).
+        # The file names this rank decided (rank 0 writes the files; Lightning's version counter runs
+        # a collective per name it tries, so every rank must decide the same names).
         self.saved_names = [*getattr(self, "saved_names", []),
                             [[Path(c.best_model_path).name, Path(c.last_model_path).name]
                              for c in trainer.checkpoint_callbacks]]
@@ -252,7 +252,8 @@ def main() -> None:
     parser.add_argument("--save-last", choices=["true", "link"], default="true",
                         help="--checkpoint-every's ModelCheckpoint(save_last=...): True, or 'link' (a link to the latest)")
     parser.add_argument("--checkpoint-every", type=int, default=None,
-                        help="ModelCheckpoint(every_n_train_steps=N, save_top_k=-1, save_last=True) into <out>/ckpt")
+                        help="ModelCheckpoint(every_n_train_steps=N, save_top_k=-1, save_last=<--save-last>) "
+                             "into <out>/ckpt")
     parser.add_argument("--sleep-at", default=None, help="BATCH:RANK:SECONDS: that rank sleeps in that step")
     parser.add_argument("--sigterm-at", default=None, help="BATCH:RANK: that rank sends itself SIGTERM in that step")
     parser.add_argument("--exit-at", default=None, help="BATCH:RANK: that rank calls sys.exit(0) in that step")
