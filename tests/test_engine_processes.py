@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from distributed import run_processes
-from workers import killed_mid_run, sync_versus_all_reduce
+from workers import killed_mid_run, strategy_collectives_without_a_peer, sync_versus_all_reduce
 
 P = 4
 
@@ -29,3 +29,19 @@ def test_killed_rank_makes_the_others_raise(mode, victim):
         status, message = reports[r]
         assert status == "error", reports
         assert f"rank {r}" in message and "round" in message, message
+
+
+def test_a_strategy_collective_without_a_peer_fails_naming_rank_round_and_what():
+    """The strategy's own main-thread collectives (barrier, broadcast, reduce, all_gather: checkpoints, logging
+    with ``sync_dist``, abs_sgd's quiesce): a rank that never joins turns into an error within the group's
+    timeout that names this rank, the last round and the collective (gloo's own names only the peer)."""
+    world = 2
+    reports, exitcodes, _ = run_processes(world, strategy_collectives_without_a_peer, timeout=90)
+    assert exitcodes == {r: 0 for r in range(world)}, reports
+    status, messages = reports[0]
+    assert status == "ok", reports
+    what = ["barrier 'a test'", "broadcast from rank 0", "reduce (sum)", "all_gather"]
+    assert len(messages) == len(what), messages
+    for message, name in zip(messages, what):
+        assert message.startswith(
+            f"[partial allreduce, rank 0, round 17] the strategy's {name} after the last round failed"), messages

@@ -261,8 +261,9 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_killed_rank_ends_the_fit_with_a_clear_error(tmp_path):
+    """SIGKILL to rank 2 mid-fit, forked ranks (test_eager_sgd.py's version runs the script launcher's)."""
     out = tmp_path / "run"
-    proc = endless_fit(out, "ds_sync")
+    proc = endless_fit(out, "ds_sync", launch="fork")
     stderr = signal_rank_when_running(proc, out, 2, signal.SIGKILL)
     assert proc.returncode != 0
     assert ("[partial allreduce, rank" in stderr and "round" in stderr) or "terminated with code -9" in stderr, (

@@ -54,3 +54,45 @@ def killed_mid_run(rank: int, world_size: int, port: int, mode: str, victim: int
         return "completed"
     finally:
         engine.close(timeout=2)
+
+
+def strategy_collectives_without_a_peer(rank: int, world_size: int, port: int) -> list[str]:
+    """The strategy's own collectives (barrier, broadcast, reduce, all_gather) on rank 0 while the last rank,
+    alive, never joins: each raises within the group's timeout; returns their messages (the last rank: [])."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lightning_partial import EagerSGDStrategy
+    from lightning_partial.collectives import PartialCollectiveError, RoundStats
+
+    store = client(port, world_size)
+    # The group's timeout is the collectives' bound: 3 s, as a strategy's `timeout` would set it.
+    dist.init_process_group("gloo", store=dist.PrefixStore("default", store), rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=3))
+    try:
+        strategy = EagerSGDStrategy()
+        strategy.cluster_environment = LightningEnvironment()
+        strategy.cluster_environment.set_global_rank(rank)
+        strategy.cluster_environment.set_world_size(world_size)
+        strategy._make_collective_group()
+        # The engine's last round (what a fit's rounds leave in round_stats).
+        strategy.round_stats[0] = RoundStats(
+            round_index=17, activator=0, initiator=None, synchronous=False, flush=False, fresh=(0,),
+            counts=(1,) * world_size, staleness=(0,) * world_size, oldest_staleness=(0,) * world_size,
+            progress=(18,) * world_size, dropped=(0,) * world_size, contributions=world_size, divisor=world_size,
+        )
+        if rank == world_size - 1:
+            store.wait(["done"], timedelta(seconds=60))  # alive, never joining, until the others are done
+            return []
+        messages = []
+        for call in (lambda: strategy.barrier("a test"), lambda: strategy.broadcast({"x": 1}),
+                     lambda: strategy.reduce(torch.ones(2), reduce_op="sum"),
+                     lambda: strategy.all_gather(torch.ones(2))):
+            try:
+                call()
+                messages.append("no error")
+            except PartialCollectiveError as err:
+                messages.append(str(err))
+        store.set("done", "1")
+        return messages
+    finally:
+        dist.destroy_process_group()

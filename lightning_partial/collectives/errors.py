@@ -6,7 +6,8 @@ a log of a many-rank job says at once where a job stopped and why.
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 
 class PartialCollectiveError(RuntimeError):
@@ -25,3 +26,25 @@ class PartialCollectiveTimeout(PartialCollectiveError, TimeoutError):
 
 class EngineClosedError(PartialCollectiveError):
     """The engine was used after :meth:`PartialAllreduce.close`."""
+
+
+@contextlib.contextmanager
+def naming_failure(what: str, *, rank: int, round_index: Optional[int]) -> Iterator[None]:
+    """Around a collective of the caller's own thread: its failure raised as :class:`PartialCollectiveError`.
+
+    gloo's error (a peer that died, or did not come within the group's timeout) names
+    the peer's address but neither this rank nor the round, and says nothing of what
+    the collective was for: the message reads "``what`` failed (...)", with ``round_index``
+    (the round the collective belongs to, or the last one the caller saw) in its prefix.
+    An error that names them already passes unchanged.
+    """
+    try:
+        yield
+    except PartialCollectiveError:
+        raise
+    except RuntimeError as err:
+        raise PartialCollectiveError(
+            f"{what} failed (a peer that died or did not come within the collective timeout, or gloo's"
+            f" own error): {type(err).__name__}: {err}",
+            rank=rank, round_index=round_index,
+        ) from err

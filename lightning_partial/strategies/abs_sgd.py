@@ -111,8 +111,9 @@ from typing_extensions import Unpack, override
 
 import lightning.pytorch as pl
 from lightning_partial import _compat
-from lightning_partial.collectives import PartialCollectiveError, RoundResult, RoundStats
+from lightning_partial.collectives import RoundResult, RoundStats
 from lightning_partial.collectives.delayed import TRIGGERS, DelayedAllreduce, DelayedConfig, RoundProgress, Trigger
+from lightning_partial.collectives.errors import naming_failure
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.collectives.checks import is_int_at_least
 from lightning_partial.data import ElasticBatchSampler
@@ -456,13 +457,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         rows = [mine]
         if self.world_size > 1:
             rows = [torch.zeros_like(mine) for _ in range(self.world_size)]
-            try:  # bounded by the collective group's timeout
+            what = "abs_sgd: agreeing on the ranks' loaders (batch sizes and epoch lengths) at the start of fit"
+            with naming_failure(what, rank=self.global_rank, round_index=0):  # bounded by the group's timeout
                 dist.all_gather(rows, mine, group=self.collective_group)
-            except RuntimeError as err:
-                raise PartialCollectiveError(
-                    f"abs_sgd: agreeing on the ranks' loaders (batch sizes and epoch lengths) at the start of "
-                    f"fit failed: {err}", rank=self.global_rank, round_index=0,
-                ) from err
         lengths = [int(r[1]) for r in rows]
         if len(set(lengths)) > 1:
             each = ", ".join(f"rank {i}: {n}" for i, n in enumerate(lengths))
@@ -773,7 +770,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         known = torch.tensor([self._engines[i].known_round() for i in indices], dtype=torch.int64)
         if self.world_size > 1:
             # On the host, on the collective group: never a default-group NCCL collective (partial.py).
-            dist.all_reduce(known, op=dist.ReduceOp.MAX, group=self.collective_group)
+            with self._naming_failure("abs_sgd's quiesce: agreeing on the last round in flight"):
+                dist.all_reduce(known, op=dist.ReduceOp.MAX, group=self.collective_group)
         last = {i: int(r) for i, r in zip(indices, known.cpu().tolist())}
         for i in indices:
             self._engines[i].drain(last[i])

@@ -71,7 +71,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 
-from lightning_partial.collectives import PartialCollectiveError
+from lightning_partial.collectives.errors import naming_failure
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +125,11 @@ def gather_engine_states(
     """Collective on ``group`` (default: the default group): returns the checkpoint entry on rank 0, ``None`` elsewhere."""
     gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
     if world_size > 1:
-        try:  # bounded by the group's timeout (the strategy's ``timeout``)
+        # Bounded by the group's timeout (the strategy's ``timeout``); a dead or stalled rank: say which rank
+        # and which round.
+        step = next((int(s["step"]) for s in states.values()), None)
+        with naming_failure("gathering the engines' state for a checkpoint", rank=rank, round_index=step):
             dist.gather_object(states, gathered, dst=0, group=group)
-        except Exception as err:  # a dead or stalled rank: say which rank and which round
-            step = next((int(s["step"]) for s in states.values()), None)
-            raise PartialCollectiveError(
-                f"gathering the engines' state for a checkpoint failed: {err}", rank=rank, round_index=step
-            ) from err
     else:
         gathered = [states]
     if rank != 0:

@@ -493,6 +493,10 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         self._average_buffers()
         self._release_store(agreed=True)
 
+    @override
+    def _last_round(self) -> Optional[int]:
+        return max((stats.round_index for stats in self.round_stats.values()), default=None)
+
     def _release_store(self, *, agreed: bool) -> None:
         """Drops this rank's client of the engines' store; rank 0's is its server, which then closes.
 
@@ -520,9 +524,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         :class:`PartialCollectiveError` naming this rank, ``what`` and the last round this rank saw."""
         if self.world_size < 2 or not _compat._distributed_is_initialized():
             return
-        last = max((stats.round_index for stats in self.round_stats.values()), default=None)
         mean_in_place(tensors, rank=self.global_rank, world_size=self.world_size,
-                      sum_=allreduce_sum(self.collective_group, rank=self.global_rank, what=what, last_round=last))
+                      sum_=allreduce_sum(self.collective_group, rank=self.global_rank, what=what,
+                                         last_round=self._last_round()))
 
     def _average_buffers(self) -> None:
         """Every rank, main thread, collective group, once at the end of fit: makes the buffers identical.

@@ -36,6 +36,7 @@ kernels are launched in the same order on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from datetime import timedelta
@@ -56,6 +57,7 @@ from typing_extensions import override
 
 from lightning_partial import _compat
 from lightning_partial.collectives.checks import check_timedelta
+from lightning_partial.collectives.errors import naming_failure
 
 log = logging.getLogger(__name__)
 
@@ -230,18 +232,31 @@ class ProcessGroupStrategy(ParallelStrategy):
     # ---------------------------------------------------------- collectives
     # Every collective below runs on collective_group (gloo), never on a NCCL default
     # group: see the module docstring's invariant.
+    def _last_round(self) -> Optional[int]:
+        """The last round this rank's engines completed (``None``: none yet), named by a failed collective."""
+        return None
+
+    def _naming_failure(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Around one of the strategy's collectives: a failure raised as ``PartialCollectiveError`` naming this
+        rank, ``what`` and the last round (gloo's own error names only the peer's address)."""
+        last = self._last_round()
+        after = "" if last is None else " after the last round"
+        return naming_failure(f"{what}{after}", rank=self.global_rank, round_index=last)
+
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, name: Optional[str] = None, *args: Any, **kwargs: Any) -> None:
         if not _compat._distributed_is_initialized():
             return
-        dist.barrier(group=self.collective_group)
+        with self._naming_failure("the strategy's barrier" + (f" {name!r}" if name else "")):
+            dist.barrier(group=self.collective_group)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _compat._distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src, group=self.collective_group)
+        with self._naming_failure(f"the strategy's broadcast from rank {src}"):
+            dist.broadcast_object_list(box, src, group=self.collective_group)
         return box[0]
 
     @override
@@ -250,14 +265,18 @@ class ProcessGroupStrategy(ParallelStrategy):
     ) -> Tensor:
         if not isinstance(tensor, Tensor):
             return tensor
+        what = f"the strategy's reduce ({reduce_op})"
         if not self._is_default(group) or not _compat._distributed_is_initialized():
-            return _compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            with self._naming_failure(what):
+                return _compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         host = self._to_host(tensor)
         if host is tensor:
-            return _compat._sync_ddp_if_available(tensor, self.collective_group, reduce_op=reduce_op)
+            with self._naming_failure(what):
+                return _compat._sync_ddp_if_available(tensor, self.collective_group, reduce_op=reduce_op)
         if host.dtype in (torch.float16, torch.bfloat16):
             host = host.float()  # what every gloo build reduces
-        out = _compat._sync_ddp_if_available(host, self.collective_group, reduce_op=reduce_op)
+        with self._naming_failure(what):
+            out = _compat._sync_ddp_if_available(host, self.collective_group, reduce_op=reduce_op)
         with torch.no_grad():
             tensor.copy_(out)  # in place, as DDPStrategy's reduce leaves it
         return tensor
@@ -265,9 +284,11 @@ class ProcessGroupStrategy(ParallelStrategy):
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         if not self._is_default(group):
-            return _compat._all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+            with self._naming_failure("the strategy's all_gather"):
+                return _compat._all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
         host = tensor.cpu() if self._collective_group is not None and tensor.is_cuda else tensor  # keeps autograd
-        out = _compat._all_gather_ddp_if_available(host, group=self.collective_group, sync_grads=sync_grads)
+        with self._naming_failure("the strategy's all_gather"):
+            out = _compat._all_gather_ddp_if_available(host, group=self.collective_group, sync_grads=sync_grads)
         return out.to(tensor.device)
 
     @override

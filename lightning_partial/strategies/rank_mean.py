@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_partial.collectives.errors import PartialCollectiveError
+from lightning_partial.collectives.errors import naming_failure
 
 __all__ = ["allreduce_sum", "mean_in_place", "wire_dtype"]
 
@@ -35,15 +35,9 @@ def allreduce_sum(group: Any, *, rank: int, what: str, last_round: Optional[int]
     group's timeout. A failure (a peer that died, or did not come in time) raises :class:`PartialCollectiveError`
     naming this rank, ``what`` was being averaged and the last round the caller saw: gloo's error names neither."""
     def sum_(buffer: Tensor) -> None:
-        try:
+        after = "" if last_round is None else " after the last round"
+        with naming_failure(f"the mean of {what} over the ranks{after}", rank=rank, round_index=last_round):
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
-        except RuntimeError as err:
-            raise PartialCollectiveError(
-                f"the mean of {what} over the ranks{'' if last_round is None else ' after the last round'} failed"
-                f" (a peer that died or did not come within the collective timeout, or gloo's own error):"
-                f" {type(err).__name__}: {err}",
-                rank=rank, round_index=last_round,
-            ) from err
 
     return sum_
 
