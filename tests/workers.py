@@ -65,7 +65,10 @@ def strategy_collectives_without_a_peer(rank: int, world_size: int, port: int) -
     from lightning_partial.collectives import PartialCollectiveError, RoundStats
 
     store = client(port, world_size)
-    # The group's timeout is the collectives' bound: 3 s, as a strategy's `timeout` would set it.
+    # The group's timeout is the collectives' bound: 3 s, as a strategy's `timeout` would set it. It also bounds
+    # the group's rendezvous, so the ranks first meet on the store (their imports end at different times).
+    store.set(f"ready/{rank}", "1")
+    store.wait([f"ready/{i}" for i in range(world_size)], timedelta(seconds=60))
     dist.init_process_group("gloo", store=dist.PrefixStore("default", store), rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=3))
     try:
@@ -84,15 +87,19 @@ def strategy_collectives_without_a_peer(rank: int, world_size: int, port: int) -
             store.wait(["done"], timedelta(seconds=60))  # alive, never joining, until the others are done
             return []
         messages = []
-        for call in (lambda: strategy.barrier("a test"), lambda: strategy.broadcast({"x": 1}),
-                     lambda: strategy.reduce(torch.ones(2), reduce_op="sum"),
-                     lambda: strategy.all_gather(torch.ones(2))):
-            try:
-                call()
-                messages.append("no error")
-            except PartialCollectiveError as err:
-                messages.append(str(err))
-        store.set("done", "1")
+        try:
+            # The first call ends at the group's timeout; gloo then closes the group's connections, and the
+            # others fail at once (what each names is the point here, not its own bound).
+            for call in (lambda: strategy.barrier("a test"), lambda: strategy.broadcast({"x": 1}),
+                         lambda: strategy.reduce(torch.ones(2), reduce_op="sum"),
+                         lambda: strategy.all_gather(torch.ones(2))):
+                try:
+                    call()
+                    messages.append("no error")
+                except PartialCollectiveError as err:
+                    messages.append(f"{type(err).__name__}: {err}")
+        finally:
+            store.set("done", "1")
         return messages
     finally:
         dist.destroy_process_group()

@@ -28,6 +28,12 @@ class EngineClosedError(PartialCollectiveError):
     """The engine was used after :meth:`PartialAllreduce.close`."""
 
 
+def error_kind(err: BaseException) -> type[PartialCollectiveError]:
+    """:class:`PartialCollectiveTimeout` if torch's ``err`` reports a timeout, else :class:`PartialCollectiveError`."""
+    text = str(err).lower()
+    return PartialCollectiveTimeout if ("timed out" in text or "timeout" in text) else PartialCollectiveError
+
+
 @contextlib.contextmanager
 def naming_failure(what: str, *, rank: int, round_index: Optional[int]) -> Iterator[None]:
     """Around a collective of the caller's own thread: its failure raised as :class:`PartialCollectiveError`.
@@ -35,16 +41,17 @@ def naming_failure(what: str, *, rank: int, round_index: Optional[int]) -> Itera
     gloo's error (a peer that died, or did not come within the group's timeout) names
     the peer's address but neither this rank nor the round, and says nothing of what
     the collective was for: the message reads "``what`` failed (...)", with ``round_index``
-    (the round the collective belongs to, or the last one the caller saw) in its prefix.
-    An error that names them already passes unchanged.
+    (the round the collective belongs to, or the last one the caller applied) in its prefix.
+    A timeout raises :class:`PartialCollectiveTimeout` (:func:`error_kind`), as the engine's
+    own collectives do. An error that names them already passes unchanged.
     """
     try:
         yield
     except PartialCollectiveError:
         raise
     except RuntimeError as err:
-        raise PartialCollectiveError(
-            f"{what} failed (a peer that died or did not come within the collective timeout, or gloo's"
+        raise error_kind(err)(
+            f"{what} failed (a peer that died, or did not come within the group's timeout; or the backend's"
             f" own error): {type(err).__name__}: {err}",
             rank=rank, round_index=round_index,
         ) from err

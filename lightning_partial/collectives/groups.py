@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_partial.collectives.config import PartialAllreduceConfig
-from lightning_partial.collectives.errors import PartialCollectiveError, PartialCollectiveTimeout
+from lightning_partial.collectives.errors import PartialCollectiveError, PartialCollectiveTimeout, error_kind
 from lightning_partial.collectives.nccl import CompletionWatch, abort_group, await_event, nccl_data_group, warm_up
 from lightning_partial.collectives.rounds import Deposit, Issued
 
@@ -35,12 +35,6 @@ def _release_later(groups: list[Any], seconds: float) -> None:
     """Holds ``groups`` for ``seconds``, then drops them: their destructors run on this thread."""
     time.sleep(seconds)
     groups.clear()
-
-
-def error_kind(err: BaseException) -> type[PartialCollectiveError]:
-    """:class:`PartialCollectiveTimeout` if torch's ``err`` reports a timeout, else :class:`PartialCollectiveError`."""
-    text = str(err).lower()
-    return PartialCollectiveTimeout if ("timed out" in text or "timeout" in text) else PartialCollectiveError
 
 
 class EngineGroups:

@@ -770,7 +770,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         known = torch.tensor([self._engines[i].known_round() for i in indices], dtype=torch.int64)
         if self.world_size > 1:
             # On the host, on the collective group: never a default-group NCCL collective (partial.py).
-            with self._naming_failure("abs_sgd's quiesce: agreeing on the last round in flight"):
+            with self._naming_failure("abs_sgd's quiesce (agreeing on the round in flight)"):
                 dist.all_reduce(known, op=dist.ReduceOp.MAX, group=self.collective_group)
         last = {i: int(r) for i, r in zip(indices, known.cpu().tolist())}
         for i in indices:

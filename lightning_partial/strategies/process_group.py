@@ -233,7 +233,7 @@ class ProcessGroupStrategy(ParallelStrategy):
     # Every collective below runs on collective_group (gloo), never on a NCCL default
     # group: see the module docstring's invariant.
     def _last_round(self) -> Optional[int]:
-        """The last round this rank's engines completed (``None``: none yet), named by a failed collective."""
+        """The last round this rank applied (``None``: none yet in this process), named by a failed collective."""
         return None
 
     def _naming_failure(self, what: str) -> contextlib.AbstractContextManager[None]:
