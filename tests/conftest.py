@@ -3,8 +3,9 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # torch resolves the peer of every new TCPStore connection by reverse DNS; where the DNS server drops a query
-# (this host's does, about one in forty), the connection waits for glibc's 5 s resolver timeout. 1 s here,
-# for this process and every rank it starts (docs/reliability.md, "Store connections and the host's resolver").
+# (this host's does: about one connection in thirty stalled), the connection waits for glibc's 5 s resolver
+# timeout. 1 s here, for this process and every rank it starts (docs/reliability.md, "Store connections and the
+# host's resolver").
 os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 logging.getLogger("lightning_partial").setLevel(logging.INFO)
 

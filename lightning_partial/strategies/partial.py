@@ -308,6 +308,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         Runs at ``on_train_start``, after Lightning restored a checkpoint's
         training state, because an engine's state must be loaded before it starts.
         """
+        self.round_stats.clear()  # this fit's rounds only (what a failed collective names, what callbacks read)
         self._store = create_store(timeout=self._timeout, group=self.collective_group)
         resume = self._resume_state
         self._resume_state = None
