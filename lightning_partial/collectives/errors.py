@@ -35,13 +35,14 @@ def error_kind(err: BaseException) -> type[PartialCollectiveError]:
 
 
 @contextlib.contextmanager
-def naming_failure(what: str, *, rank: int, round_index: Optional[int]) -> Iterator[None]:
+def naming_failure(what: str, *, rank: int, round_index: Optional[int], last: bool = False) -> Iterator[None]:
     """Around a collective of the caller's own thread: its failure raised as :class:`PartialCollectiveError`.
 
     gloo's error (a peer that died, or did not come within the group's timeout) names
     the peer's address but neither this rank nor the round, and says nothing of what
     the collective was for: the message reads "``what`` failed (...)", with ``round_index``
-    (the round the collective belongs to, or the last one the caller applied) in its prefix.
+    (the round the collective belongs to; with ``last``, the last one the caller applied, and the
+    message says "``what`` after the last round failed") in its prefix.
     A timeout raises :class:`PartialCollectiveTimeout` (:func:`error_kind`), as the engine's
     own collectives do. An error that names them already passes unchanged.
     """
@@ -50,8 +51,9 @@ def naming_failure(what: str, *, rank: int, round_index: Optional[int]) -> Itera
     except PartialCollectiveError:
         raise
     except RuntimeError as err:
+        after = " after the last round" if last and round_index is not None else ""
         raise error_kind(err)(
-            f"{what} failed (a peer that died, or did not come within the group's timeout; or the backend's"
+            f"{what}{after} failed (a peer that died, or did not come within the group's timeout; or the backend's"
             f" own error): {type(err).__name__}: {err}",
             rank=rank, round_index=round_index,
         ) from err

@@ -239,9 +239,7 @@ class ProcessGroupStrategy(ParallelStrategy):
     def _naming_failure(self, what: str) -> contextlib.AbstractContextManager[None]:
         """Around one of the strategy's collectives: a failure raised as ``PartialCollectiveError`` naming this
         rank, ``what`` and the last round (gloo's own error names only the peer's address)."""
-        last = self._last_round()
-        after = "" if last is None else " after the last round"
-        return naming_failure(f"{what}{after}", rank=self.global_rank, round_index=last)
+        return naming_failure(what, rank=self.global_rank, round_index=self._last_round(), last=True)
 
     @override
     def barrier(self, name: Optional[str] = None, *args: Any, **kwargs: Any) -> None:
@@ -265,31 +263,33 @@ class ProcessGroupStrategy(ParallelStrategy):
     ) -> Tensor:
         if not isinstance(tensor, Tensor):
             return tensor
-        what = f"the strategy's reduce ({reduce_op})"
+
+        def sync(t: Tensor, on: Optional[Any]) -> Tensor:
+            with self._naming_failure(f"the strategy's reduce ({reduce_op})"):
+                return _compat._sync_ddp_if_available(t, on, reduce_op=reduce_op)
+
         if not self._is_default(group) or not _compat._distributed_is_initialized():
-            with self._naming_failure(what):
-                return _compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync(tensor, group)
         host = self._to_host(tensor)
         if host is tensor:
-            with self._naming_failure(what):
-                return _compat._sync_ddp_if_available(tensor, self.collective_group, reduce_op=reduce_op)
+            return sync(tensor, self.collective_group)
         if host.dtype in (torch.float16, torch.bfloat16):
             host = host.float()  # what every gloo build reduces
-        with self._naming_failure(what):
-            out = _compat._sync_ddp_if_available(host, self.collective_group, reduce_op=reduce_op)
+        out = sync(host, self.collective_group)
         with torch.no_grad():
             tensor.copy_(out)  # in place, as DDPStrategy's reduce leaves it
         return tensor
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        if not self._is_default(group):
+        def gather(t: Tensor, on: Optional[Any]) -> Tensor:
             with self._naming_failure("the strategy's all_gather"):
-                return _compat._all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+                return _compat._all_gather_ddp_if_available(t, group=on, sync_grads=sync_grads)
+
+        if not self._is_default(group):
+            return gather(tensor, group)
         host = tensor.cpu() if self._collective_group is not None and tensor.is_cuda else tensor  # keeps autograd
-        with self._naming_failure("the strategy's all_gather"):
-            out = _compat._all_gather_ddp_if_available(host, group=self.collective_group, sync_grads=sync_grads)
-        return out.to(tensor.device)
+        return gather(host, self.collective_group).to(tensor.device)
 
     @override
     def model_to_device(self) -> None:

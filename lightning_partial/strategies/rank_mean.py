@@ -35,8 +35,7 @@ def allreduce_sum(group: Any, *, rank: int, what: str, last_round: Optional[int]
     group's timeout. A failure (a peer that died, or did not come in time) raises :class:`PartialCollectiveError`
     naming this rank, ``what`` was being averaged and the last round the caller saw: gloo's error names neither."""
     def sum_(buffer: Tensor) -> None:
-        after = "" if last_round is None else " after the last round"
-        with naming_failure(f"the mean of {what} over the ranks{after}", rank=rank, round_index=last_round):
+        with naming_failure(f"the mean of {what} over the ranks", rank=rank, round_index=last_round, last=True):
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
 
     return sum_
