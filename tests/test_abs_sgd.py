@@ -508,6 +508,23 @@ def test_step_checkpoints_are_consistent_cuts_that_resume(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_an_epoch_that_ends_where_the_finish_begins_ends_alike_with_its_saves_and_validation(tmp_path):
+    """20 epochs of 256 samples, the default ``final_sync=0.05``: the finish begins right after epoch 18's last
+    round, under speeds 1, 1, 0.5, 0.25, with ``ModelCheckpoint(every_n_train_steps=3)`` and validation (``sync_dist``,
+    collective) at every epoch end. A rank whose batch spans the switch must not arrive at the first lock-step round
+    in a batch that does not end its epoch, nor before it applied (and saved) the rounds the others saved: before
+    those rules 3 fits in 4 hung here. Every rank validates at every epoch end, one file per multiple, replicas
+    identical."""
+    out = tmp_path / "run"
+    records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "20", "--rank-dataset-sizes",
+                      "256,256,256,256", "--validate", "--checkpoint-every", "3")
+    assert_identical(out)
+    assert all(len(r["validated_at"]) == 20 for r in records), [r["validated_at"] for r in records]
+    saved = sorted((out / "ckpt").glob("epoch=*-step=*.ckpt"))
+    assert len(saved) == records[0]["global_step"] // 3, [p.name for p in saved]
+
+
+@pytest.mark.timeout(300)
 def test_the_global_batch_is_agreed_when_the_ranks_loaders_differ(tmp_path):
     """reference_samples="global_batch" with loader batch sizes 16, 16, 8, 8: every rank divides by the same
     sum (48), so the replicas end bit-identical."""

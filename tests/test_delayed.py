@@ -28,6 +28,23 @@ def samples_of(rank: int, k: int) -> int:
     return 1 + (rank + k) % 3
 
 
+def record(results: list) -> list[tuple]:
+    """What a test keeps of handed results: round, tensor, per-rank samples."""
+    return [(r.round_index, r.tensors[0].clone(), r.stats.counts) for r in results]
+
+
+def end_of_fit(engine: DelayedAllreduce, rank: int, barrier: threading.Barrier, agree: dict) -> tuple[int, list]:
+    """The strategy's end of fit: pause, agree on the last round (its barrier and MAX allreduce), drain it, and
+    finish; returns that round and the finish's results."""
+    engine.pause()
+    barrier.wait(timeout=30)
+    agree[rank] = engine.known_round()
+    barrier.wait(timeout=30)
+    last = max(agree.values())
+    engine.drain(last)
+    return last, record(engine.finish(last))
+
+
 def train(config: DelayedConfig, *, delays_ms: tuple[float, ...], agree: dict, keep_stats: bool = False,
           hold: tuple[int, ...] = (1,) * P) -> callable:
     """Each rank deposits micro-batches until the final round, then agrees on the last round and finishes;
@@ -54,13 +71,7 @@ def train(config: DelayedConfig, *, delays_ms: tuple[float, ...], agree: dict, k
                 k += 1
                 if k > 2000:
                     raise AssertionError("the final round never came")
-            engine.pause()
-            barrier.wait(timeout=30)  # the strategy uses dist.barrier on the default group
-            agree[rank] = engine.known_round()
-            barrier.wait(timeout=30)
-            last = max(agree.values())  # the strategy's MAX allreduce
-            engine.drain(last)
-            final = [(r.round_index, r.tensors[0].clone(), r.stats.counts) for r in engine.finish(last)]
+            last, final = end_of_fit(engine, rank, barrier, agree)
             return {"deposits": deposits, "handed_at": handed_at, "durations": durations, "final": final, "last": last,
                     "final_round": engine.final_round, "fresh_from": engine.fresh_from, "state": engine.state_dict()}
         finally:
@@ -341,3 +352,118 @@ def test_elastic_sampler_never_ends_and_follows_the_batch_size():
     assert len(next(it)) == 1
     with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
         ElasticBatchSampler(10, batch_size=0, num_replicas=2, rank=0)
+
+
+@pytest.mark.parametrize("then", ["deposit", "arrive"])
+def test_a_rank_arrives_at_the_first_synchronous_round_only_after_every_earlier_round_but_the_last_is_handed(then):
+    """The switch to the synchronous finish (``sync_from=S``, two ranks): rank 0 is handed round ``S - 2`` when
+    its micro-batch starts round ``S - 1``, and at its next micro-batch boundary runs something collective of the
+    callers' (abs_sgd: a step checkpoint's save), which rank 1 joins once it too was handed round ``S - 2``. Rank
+    1's one slow micro-batch spans rounds up to ``S - 1``: its next deposit lands in round ``S``, synchronous,
+    with rounds before ``S - 1`` not yet handed. It must not arrive and wait for round ``S`` (rank 0 arrives there
+    only after the collective: a deadlock): it holds the micro-batch and is handed the rounds up to ``S - 2`` at
+    once; its next deposit arrives with both micro-batches, and gets rounds ``S - 1`` and ``S`` (or, ``arrive``,
+    it arrives with the held one alone: abs_sgd at an epoch's last batch). Nothing is lost, every rank gets the
+    same results."""
+    s, world = 6, 2
+    config = DelayedConfig(target_samples=2, max_rounds=s + 3, sync_from=s, timeout=timedelta(seconds=20),
+                           name=f"switch{then}")
+    collective, agree = threading.Barrier(world), {}  # the callers' collective, bounded
+
+    def fn(rank: int, store: dist.Store) -> dict:
+        engine = DelayedAllreduce(config, store=store, rank=rank, world_size=world,
+                                  like=[torch.zeros(3, dtype=torch.float64)]).start()
+        deposits, handed_at, joined, holding = [], [], False, []
+        try:
+            k = 0
+            while engine.final_round is None:
+                if handed_at and not joined and any(r[0] >= s - 2 for batch in handed_at for r in batch):
+                    collective.wait(timeout=10)  # at the batch start after round S - 2 was handed
+                    joined = True
+                    holding.append(engine.holding)
+                    time.sleep(0.2)  # the save's work: a held micro-batch must not be taken meanwhile
+                    if then == "arrive" and engine.holding:
+                        arrived = engine.arrive()
+                        handed_at.append(record(arrived))
+                        deposits.append((torch.zeros(3, dtype=torch.float64), 0, s, engine.started_round))
+                        assert not engine.holding and engine.arrive() == []
+                if rank == 1 and k == 1:
+                    # The slow micro-batch: done once this rank's thread has taken round S - 1.
+                    deadline = time.monotonic() + 10
+                    while engine.started_round < s - 1:
+                        assert time.monotonic() < deadline, "round S - 1 never started"
+                        time.sleep(0.002)
+                else:
+                    time.sleep(0.002)
+                g, b = grad_of(rank, k), 1
+                results = engine.deposit([g], samples=b)
+                deposits.append((g, b, engine.deposit_round, engine.started_round))
+                handed_at.append(record(results))
+                k += 1
+                assert k < 2000, "the final round never came"
+            _, final = end_of_fit(engine, rank, collective, agree)
+            return {"deposits": deposits, "handed_at": handed_at, "final": final, "joined": joined,
+                    "holding": holding}
+        finally:
+            engine.close()
+
+    records = run_threads(world, fn, timeout=60)
+    results = check_sums_and_conservation(records)
+    assert [record["holding"] for record in records] == [[False], [True]]
+    slow = records[1]
+    assert [into for _, _, into, _ in slow["deposits"][1:3]] == [s, s]  # held, then arrived: the same round
+    assert [x[0] for x in slow["handed_at"][1]][-1] == s - 2  # held: handed up to S - 2
+    assert [x[0] for x in slow["handed_at"][2]] == [s - 1, s]  # arrived: S - 1 and S at once
+    assert results[s][1][1] == (2 if then == "deposit" else 1)  # both micro-batches, or the held one, in round S
+
+
+def test_a_batch_that_began_before_its_epochs_last_round_completed_does_not_arrive_after_it():
+    """The epoch ends at the last asynchronous round ``E`` (``sync_from_samples`` = the epoch's samples), two ranks
+    run abs_sgd's loop: a batch that starts after ``E`` completed ends the epoch, arrives, and is followed by a
+    collective epoch-end hook. Rank 1's batch starts while ``E`` is in flight (not its last) and deposits after
+    ``E`` completed, into the first synchronous round ``E + 1``: with ``epoch=0`` it is held (arriving would let
+    round ``E + 1`` complete without it in its last batch; that last batch would then arrive at ``E + 2`` and wait
+    there for rank 0, which waits in the hook for it). Both ranks' last batches arrive at ``E + 1``; nothing is
+    lost."""
+    world = 2
+    config = DelayedConfig(target_samples=2, epoch_samples=12, max_epochs=2, sync_from_samples=12,
+                           timeout=timedelta(seconds=20), name="epochend")
+    hook, agree = threading.Barrier(world), {}
+
+    def fn(rank: int, store: dist.Store) -> dict:
+        engine = DelayedAllreduce(config, store=store, rank=rank, world_size=world,
+                                  like=[torch.zeros(3, dtype=torch.float64)]).start()
+        deposits, handed_at, held_in_epoch, last_rounds = [], [], [], []
+        try:
+            k, epoch = 0, 0
+            while engine.final_round is None:
+                last = engine.progress().epochs_completed > epoch  # the batch start
+                if rank == 1 and not last and engine.progress().sync_from is None:
+                    engine.drain(engine.started_round)  # a batch spanning the round in flight
+                else:
+                    time.sleep(0.005 if rank == 0 else 0.001)
+                g, b = grad_of(rank, k), 2 if rank == 1 else 1
+                results = engine.deposit([g], samples=b, epoch=None if last else epoch)
+                if not last and engine.holding:
+                    held_in_epoch.append((epoch, engine.deposit_round))
+                if last and engine.holding:
+                    results += engine.arrive()  # abs_sgd: at the batch's end, before the hooks
+                deposits.append((g, b, engine.deposit_round, engine.started_round))
+                handed_at.append(record(results))
+                k += 1
+                if last:
+                    last_rounds.append(max((r.round_index for r in results), default=None))
+                    hook.wait(timeout=10)  # the epoch-end hooks: collective
+                    epoch += 1
+                assert k < 2000, "the final round never came"
+            _, final = end_of_fit(engine, rank, hook, agree)
+            return {"deposits": deposits, "handed_at": handed_at, "final": final, "held": held_in_epoch,
+                    "last_rounds": last_rounds, "fresh_from": engine.fresh_from}
+        finally:
+            engine.close()
+
+    records = run_threads(world, fn, timeout=60)
+    check_sums_and_conservation(records)
+    s = records[0]["fresh_from"] - 1  # the first synchronous round: E + 1
+    assert records[1]["held"] == [(0, s)], records[1]["held"]  # the batch that spanned E, and only it
+    assert [r["last_rounds"][0] for r in records] == [s, s]  # every rank's last batch of epoch 0 arrived at E + 1

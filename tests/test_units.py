@@ -505,3 +505,19 @@ def test_abs_sgd_decides_the_last_batch_and_its_save_boundary_from_the_rounds(fi
     progress = RoundProgress(final_round=final, epochs_completed=completed, epoch_end_rounds=ends,
                              sync_from=sync_from)
     assert ABSSGDStrategy._last_batch(progress, epoch) == expected
+
+
+@pytest.mark.parametrize("ends, sync_from, boundary, expected", [
+    ("fit", None, 12, True),  # nothing is synchronous after the fit's last round: arriving changes nothing
+    ("epoch", 8, None, True),  # the epoch's last round is synchronous: lock-step, every last batch arrives
+    ("epoch", None, 10, False),  # no finish known: asynchronous rounds, or one only a later round reveals
+    ("epoch", 11, 10, True),  # the finish begins right after it: every rank's last micro-batch lands in round 11
+    ("epoch", 12, 10, False),  # later: one rank's may land in round 12, another's in 11; none arrives
+])
+def test_abs_sgd_arrives_with_an_epochs_last_batch_only_where_every_rank_lands_in_the_same_round(
+        ends, sync_from, boundary, expected):
+    from lightning_partial.collectives.delayed import RoundProgress
+    from lightning_partial.strategies.abs_sgd import ABSSGDStrategy
+
+    progress = RoundProgress(final_round=None, epochs_completed=1, epoch_end_rounds={0: 10}, sync_from=sync_from)
+    assert ABSSGDStrategy._epoch_end_arrival(ends, progress, boundary) is expected

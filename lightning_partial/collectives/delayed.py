@@ -58,7 +58,21 @@ here (**Decisions**; the semantics in docs/algorithms.md, abs_sgd):
   deposited with ``arrive=False`` in a synchronous round joins this rank's
   next contribution without arriving: a rank whose share of a round is
   several micro-batches (``AdaptiveBatchSize``) arrives once, with all of
-  them, and the round's allreduce is paid once.
+  them, and the round's allreduce is paid once. At the switch, a rank
+  whose micro-batch spanned the last asynchronous rounds may deposit next
+  into the first synchronous round before it was handed the rounds before
+  the last asynchronous one, which the other ranks were handed at their
+  own micro-batch boundaries (and may act on collectively there, as a
+  checkpoint's save): that micro-batch is held as with ``arrive=False``,
+  and those rounds are handed at once; the rank arrives with its next one
+  (or :meth:`DelayedAllreduce.arrive`). So every rank arrives at the first
+  synchronous round after the same rounds were handed to it, and no rank
+  waits in it for a caller that waits for it. Epochs: a caller that learns
+  of an epoch's end at a batch start arrives with that batch (the epoch's
+  last); one whose batch began before the epoch's last round completed
+  says so (``deposit(epoch=e)``), and a synchronous round after that epoch's
+  end is not arrived at in it: its next batch, the epoch's last, arrives,
+  as every other rank's last does.
 
 Threads and collectives: the caller's thread calls :meth:`deposit` after each
 micro-batch and applies what it returns; it issues no collective (it only
@@ -71,6 +85,7 @@ or beside it on the gloo header group (see ``PartialAllreduce``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -86,6 +101,8 @@ from lightning_partial.collectives.errors import EngineClosedError, PartialColle
 from lightning_partial.collectives.results import RoundResult
 from lightning_partial.collectives.rounds import Deposit
 from lightning_partial.collectives.stats import RoundStats
+
+logger = logging.getLogger(__name__)
 
 Trigger = Literal["samples", "time"]
 TRIGGERS: tuple[str, ...] = ("samples", "time")
@@ -300,7 +317,8 @@ class DelayedAllreduce(PartialAllreduce):
         with self._cond:
             return self._final_round
 
-    def deposit(self, tensors: Tensors, samples: int, *, arrive: bool = True) -> list[RoundResult]:
+    def deposit(self, tensors: Tensors, samples: int, *, arrive: bool = True,
+                epoch: Optional[int] = None) -> list[RoundResult]:
         """Adds a micro-batch (its *mean* gradient over ``samples`` samples); returns the results now due.
 
         A result is due once the round after it has started on this rank; they
@@ -312,6 +330,16 @@ class DelayedAllreduce(PartialAllreduce):
         unless ``arrive`` is false: the micro-batch then joins this rank's next
         contribution and the call returns at once, with no round (a later
         deposit arrives with both; the end of fit's round takes what is left).
+        The first synchronous deposit of a rank not yet handed every round
+        before the last asynchronous one is held the same way, whatever
+        ``arrive`` says, and returns those rounds (see the module docstring;
+        :attr:`holding` tells, :meth:`arrive` arrives without a new micro-batch).
+        ``epoch``: the caller's epoch (0-based, as the rounds count them), given
+        from a batch that does not end it: once the completed rounds have
+        ended that epoch, the micro-batch is held too, so that the caller's
+        next batch, which ends the epoch, is the one that arrives (as on the
+        ranks that saw the epoch end before their batch began; see the module
+        docstring).
         ``arrive`` has no effect on an asynchronous round (its trigger decides).
         The time since the previous call returned is this micro-batch's work,
         reported per rank in the round's ``RoundStats.busy``.
@@ -319,14 +347,16 @@ class DelayedAllreduce(PartialAllreduce):
         arrived = time.monotonic()
         busy = 0.0 if self._returned_at is None else arrived - self._returned_at
         try:
-            return self._deposit(tensors, samples, busy, arrive=arrive)
+            return self._deposit(tensors, samples, busy, arrive=arrive, epoch=epoch)
         finally:
             self._returned_at = time.monotonic()
 
-    def _deposit(self, tensors: Tensors, samples: int, busy: float, *, arrive: bool = True) -> list[RoundResult]:
+    def _deposit(self, tensors: Tensors, samples: int, busy: float, *, arrive: bool = True,
+                 epoch: Optional[int] = None) -> list[RoundResult]:
         """:meth:`deposit`, with the seconds of work behind the micro-batch (0.0 for the first)."""
         self._check_running("deposit")
         check_int("samples", samples, owner=f"rank {self.rank}")
+        check_int("epoch", epoch, minimum=0, optional=True, owner=f"rank {self.rank}")
         grads = self._as_list(tensors)
         with self._cond:
             q = self._snapshotted + 1
@@ -354,8 +384,14 @@ class DelayedAllreduce(PartialAllreduce):
             self.deposit_round = q
             # After the final round nothing arrives: what comes now waits for finish()'s round.
             synchronous = self._known_sync(q) and self._final_round is None
-            held = synchronous and not arrive  # stays in the send buffer for this rank's next arrival
-            if synchronous and arrive:
+            # Stays in the send buffer for this rank's next arrival: asked for, or this rank is behind
+            # (:meth:`_behind`; the rounds before q - 1 are handed now, round q - 1 with q as always).
+            behind = synchronous and self._behind(q)
+            held = synchronous and (not arrive or behind or self._epoch_ended(epoch))
+            if behind and arrive:
+                logger.debug("rank %d: holds its arrival at synchronous round %d until rounds %d-%d are applied",
+                             self.rank, q, self._handed + 1, q - 2)
+            if synchronous and not held:
                 self._step = q + 1  # the arrival the communication thread waits for (RoundRunner)
                 self._cond.notify_all()
             pending = sum(p.samples for p in deposits)  # the send buffer itself: d is in it
@@ -369,12 +405,7 @@ class DelayedAllreduce(PartialAllreduce):
             assert self._control is not None
             self._control.wake(wake)  # the communication thread activates the round for everybody
         if synchronous and not held:
-            # Every rank arrives at round q with this micro-batch; the round waits for the slowest.
-            self._caller_wait(lambda: self._synchronous_round_done(q), q,
-                              f"synchronous round {q} did not complete (is a rank dead or stalled?)")
-            with self._cond:
-                limit = q if self._stop_round is None else min(q, self._stop_round)
-            return self._take_due(limit=limit)
+            return self._await_synchronous(q)
         if triggered:
             # This micro-batch completes round q on this rank: wait until the round has
             # started here (its communication thread snapshots it once round q - 1 has
@@ -394,6 +425,34 @@ class DelayedAllreduce(PartialAllreduce):
             # round follows it) at once, so that every rank applies it and stops there.
             limit = self._snapshotted - 1 if self._stop_round is None else self._stop_round
         return self._take_due(limit=limit)
+
+    @property
+    def holding(self) -> bool:
+        """Whether this rank holds micro-batches for a synchronous round it has not arrived at (caller's thread).
+
+        Deposited with ``arrive=False``, or held by the engine at the switch to the synchronous
+        finish (see :meth:`deposit`); :meth:`arrive` arrives with them.
+        """
+        with self._cond:
+            q = self._snapshotted + 1
+            return bool(self._pending) and self._known_sync(q) and self._final_round is None
+
+    def arrive(self) -> list[RoundResult]:
+        """Arrives at the synchronous round with what this rank holds, without a new micro-batch (caller's thread).
+
+        Blocks until the round has completed (bounded by the timeout), and returns the results
+        then due, as an arriving :meth:`deposit` does. Nothing to do (returns ``[]``) unless
+        :attr:`holding`. For a caller that must not end a batch with a micro-batch held: the
+        last batch of an epoch, before collective epoch-end work.
+        """
+        self._check_running("arrive")
+        with self._cond:
+            q = self._snapshotted + 1
+            if not (self._pending and self._known_sync(q) and self._final_round is None):
+                return []
+            self._step = q + 1  # the arrival the communication thread waits for (RoundRunner)
+            self._cond.notify_all()
+        return self._await_synchronous(q)
 
     def pause(self) -> None:
         """This rank activates no round until :meth:`resume` (caller's thread; returns once it holds)."""
@@ -541,6 +600,35 @@ class DelayedAllreduce(PartialAllreduce):
             raise EngineClosedError(f"close() was called while waiting for synchronous round {q}", rank=self.rank,
                                     round_index=q)
         return self._completed >= q or self._stop_round is not None
+
+    def _behind(self, q: int) -> bool:
+        """Under ``self._cond``: arriving at synchronous round ``q`` now would come before this rank's caller was
+        handed every round before ``q - 1``.
+
+        Only at the switch to the synchronous finish: a rank whose micro-batch spanned the last
+        asynchronous rounds deposits next into the first synchronous one with completed rounds not yet
+        handed, while the other ranks had each of those rounds handed at a micro-batch boundary of
+        their own, and may act on them collectively there before they arrive (abs_sgd: a step
+        checkpoint's save). Arriving would wait for them, and they for it. Held instead, its
+        micro-batch joins its next arrival, made after the caller has applied those rounds: every
+        rank's caller then arrives at the first synchronous round having been handed the same
+        rounds (all before ``q - 1``). Never once a stop ended the rounds (nothing waits then).
+        """
+        return self._handed < q - 2 and self._stop_round is None
+
+    def _epoch_ended(self, epoch: Optional[int]) -> bool:
+        """Under ``self._cond``: the completed rounds have ended epoch ``epoch`` (``None``: no epoch given)."""
+        n = self.delayed.epoch_samples
+        return epoch is not None and n is not None and self._global_samples >= (epoch + 1) * n
+
+    def _await_synchronous(self, q: int) -> list[RoundResult]:
+        """Caller's thread, after arriving at synchronous round ``q``: waits for it; returns the results due."""
+        # Every rank arrives at round q; the round waits for the slowest.
+        self._caller_wait(lambda: self._synchronous_round_done(q), q,
+                          f"synchronous round {q} did not complete (is a rank dead or stalled?)")
+        with self._cond:
+            limit = q if self._stop_round is None else min(q, self._stop_round)
+        return self._take_due(limit=limit)
 
     def _known_sync(self, round_index: int) -> bool:
         """The base class's rule, and every round of the synchronous finish (under ``self._cond`` or its thread)."""

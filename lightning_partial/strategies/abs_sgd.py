@@ -89,6 +89,9 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   the same way (:mod:`~lightning_partial.strategies.agreed_clock`). At an
   epoch's last batch the saves of the rounds before the epoch's last round run
   at the batch's end, before the epoch-end hooks (``_saves_before_epoch_end``).
+  At the switch to the synchronous finish a rank with rounds still to apply
+  (whose saves the others may be running) applies them before it arrives
+  (the engine holds that arrival; see ``DelayedAllreduce.deposit``).
   An epoch whose last round comes before the fit's (a time limit or
   ``max_steps`` just after an epoch end) ends first on every rank.
 """
@@ -353,7 +356,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         #: The samples AdaptiveBatchSize makes a synchronous round hold (resolved at the start of fit).
         self.sync_round_samples: Optional[int] = None
         self._held: dict[int, int] = {}  # per optimizer: micro-batches deposited since this rank last arrived
-        self._arrive_now = False  # the batch now starting ends the epoch or the fit: it arrives whatever n is
+        # The batch now starting ends the epoch or the fit: True, it arrives whatever n is; False, it does not
+        # (the epoch ends before the synchronous finish begins); None: by n (``_epoch_end_arrival``).
+        self._arrive_now: Optional[bool] = None
         #: How many optimizer steps late this rank's micro-batches are applied (a diagnostic: StalenessTracker
         #: logs it as partial/step_lag; main thread only).
         self.step_lags = StepLag()
@@ -605,7 +610,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Records the micro-batch's samples; ends the epoch (or the fit) where the rounds say so."""
         self._batch_samples = int(extract_batch_size(batch))
-        self._arrive_now = False
+        self._arrive_now = None
         engine = self._engines.get(0)
         if engine is None:
             return
@@ -613,13 +618,12 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self._save_boundary = self._last_batch(engine.progress(), trainer.current_epoch)[1]
         super().on_train_batch_start(batch, batch_idx)  # the queued saves (step and time), in round order
         # A save lets rounds complete: asked again, and decided from one reading of the engine.
-        ends, self._save_boundary = self._last_batch(engine.progress(), trainer.current_epoch)
+        progress = engine.progress()
+        ends, self._save_boundary = self._last_batch(progress, trainer.current_epoch)
         if ends is not None:
             self._end_boundary = self._save_boundary  # where the fit ends if it ends after this batch
-            # The epoch-end hooks after this batch may be collective (a checkpoint, validation): every rank
-            # arrives with it, so that no rank waits in a round for one that holds its micro-batch.
             _compat.mark_last_batch(trainer)
-            self._arrive_now = True
+            self._arrive_now = self._epoch_end_arrival(ends, progress, self._save_boundary)
             if ends == "fit":
                 trainer.should_stop = True
 
@@ -646,6 +650,23 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             boundary = None
         return ends, boundary
 
+    @staticmethod
+    def _epoch_end_arrival(ends: str, progress: RoundProgress, boundary: Optional[int]) -> bool:
+        """Whether an epoch's (or the fit's) last batch arrives at the synchronous round its micro-batch lands in.
+
+        The epoch-end hooks after it may be collective (a checkpoint, validation): no rank may wait in a
+        round then for a rank that is in those hooks. Where the epoch's last round ``E`` is synchronous, or
+        the last asynchronous one (the finish begins at ``E + 1``), every rank's last batch lands in the
+        same synchronous round: every rank arrives (whatever ``micro_batches_per_round`` says; one held by
+        the engine at the switch arrives at the batch's end, :meth:`_saves_before_epoch_end`). Where the
+        epoch ends earlier, one rank's last micro-batch may land in the first synchronous round while
+        another's lands in an asynchronous one: none arrives, and every rank arrives with its next epoch's
+        first. At the fit's end nothing is synchronous any more: arriving changes nothing.
+        """
+        if ends == "fit" or boundary is None:
+            return True  # boundary None: the epoch's last round is synchronous (or unknown: resumed after it)
+        return progress.sync_from is not None and boundary + 1 >= progress.sync_from
+
     def _saves_before_epoch_end(self) -> None:
         """Every rank, main thread, at the end of an epoch's (or the fit's) last batch, before its epoch-end
         hooks (validation, epoch-end checkpoints: collective): the saves of the rounds before the boundary
@@ -660,6 +681,15 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         if self._save_boundary is not None:
             self._run_pending_saves(before=self._save_boundary)
             self._save_boundary = None
+        if self._arrive_now:
+            # An arrival the engine held at the switch to the synchronous finish (this rank had rounds before
+            # the last asynchronous one still to apply, whose saves the others may have run already: just
+            # run here): made now, before the epoch-end hooks, as the other ranks made theirs in this batch.
+            for index, engine in self._engines.items():
+                if engine.holding:
+                    results = engine.arrive()
+                    steps = self._apply(index, self.optimizers[index], results)
+                    _compat.add_optimizer_steps(self._trainer, steps)  # after Lightning counted this batch's
 
     @override
     def _engine_step(self, index: int, optimizer: Optimizer, closure: Callable[[], Any], model: StepModel,
@@ -683,14 +713,20 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             prediction.release(index, saved)  # not held while the results are applied
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         samples = max(self._batch_samples, 1)
-        # In synchronous rounds every rank arrives with the last of its ``micro_batches_per_round`` (the same
-        # count on every rank: the ranks' batches stay in lock-step; the engine ignores ``arrive`` in
-        # asynchronous rounds). Steps happen only at arrivals, so every rank
-        # reaches a step checkpoint's save (at the next batch start) before it deposits again.
+        # In synchronous rounds every rank arrives with the last of its ``micro_batches_per_round`` (counted
+        # from its first synchronous deposit: the ranks' batches stay in lock-step; the engine ignores
+        # ``arrive`` in asynchronous rounds). In the finish, steps happen only at arrivals, so every rank
+        # reaches a step checkpoint's save (at the next batch start) before it arrives again; at the switch,
+        # the engine holds the first arrival of a rank with earlier rounds still to apply (their saves may
+        # be running on the other ranks) and hands those rounds instead.
         held = self._held.get(index, 0) + 1
-        arrive = self._arrive_now or held >= self.micro_batches_per_round
-        self._held[index] = 0 if arrive else held
-        results = engine.deposit(grads, samples=samples, arrive=arrive)
+        arrive = held >= self.micro_batches_per_round if self._arrive_now is None else self._arrive_now
+        # A batch that does not end its epoch (as its start saw the rounds) gives the epoch: if the rounds end
+        # it meanwhile, the next batch, which ends it, is the one that arrives (as on every other rank).
+        epoch = self._trainer.current_epoch if self._arrive_now is None else None
+        results = engine.deposit(grads, samples=samples, arrive=arrive, epoch=epoch)
+        # Counted from the last arrival (the engine may hold one it was asked to make: see its deposit()).
+        self._held[index] = held if engine.holding else 0
         self.step_lags.deposited(index, engine.deposit_round, steps_before, samples)
         steps = self._apply(index, optimizer, results, model)
         _compat.add_optimizer_steps(self._trainer, steps - 1)
@@ -798,7 +834,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     def on_train_start(self) -> None:
         super().on_train_start()
         self.step_lags.reset()
-        self.micro_batches_per_round, self._held, self._arrive_now = 1, {}, False
+        self.micro_batches_per_round, self._held, self._arrive_now = 1, {}, None
         self._end_boundary = None
         trainer = self._trainer
         if self._engines:
