@@ -417,35 +417,41 @@ def test_a_rank_arrives_at_the_first_synchronous_round_only_after_every_earlier_
     assert results[s][1][1] == (2 if then == "deposit" else 1)  # both micro-batches, or the held one, in round S
 
 
-def test_a_batch_that_began_before_its_epochs_last_round_completed_does_not_arrive_after_it():
-    """The epoch ends at the last asynchronous round ``E`` (``sync_from_samples`` = the epoch's samples), two ranks
-    run abs_sgd's loop: a batch that starts after ``E`` completed ends the epoch, arrives, and is followed by a
-    collective epoch-end hook. Rank 1's batch starts while ``E`` is in flight (not its last) and deposits after
-    ``E`` completed, into the first synchronous round ``E + 1``: with ``epoch=0`` it is held (arriving would let
-    round ``E + 1`` complete without it in its last batch; that last batch would then arrive at ``E + 2`` and wait
-    there for rank 0, which waits in the hook for it). Both ranks' last batches arrive at ``E + 1``; nothing is
-    lost."""
+@pytest.mark.parametrize("finish", ["samples", "round"])
+def test_a_batch_that_began_before_its_epochs_last_round_completed_does_not_arrive_after_it(finish):
+    """The epoch ends at the last asynchronous round ``E``, two ranks run abs_sgd's loop: a batch that starts after
+    ``E`` completed ends the epoch, arrives, and is followed by a collective epoch-end hook. Rank 1's batch starts
+    while ``E`` is in flight (not its last) and deposits into the first synchronous round ``E + 1`` (``samples``:
+    after ``E`` completed, which made the finish known; ``round``: ``sync_from`` given, at once): with ``epoch=0``
+    it is held once ``E`` completed (arriving would let round ``E + 1`` complete without it in its last batch; that
+    last batch would then arrive at ``E + 2`` and wait there for rank 0, which waits in the hook for it). No batch
+    that does not end epoch 0 arrives after ``E``; both ranks' last batches arrive at ``E + 1``; nothing is lost.
+    ``round``: only rank 1 contributes before the finish (2 samples a round), so ``E`` is round 5 and ``sync_from``
+    6; rank 0's first batch spans them."""
     world = 2
-    config = DelayedConfig(target_samples=2, epoch_samples=12, max_epochs=2, sync_from_samples=12,
-                           timeout=timedelta(seconds=20), name="epochend")
+    finishes = {"samples": {"sync_from_samples": 12}, "round": {"sync_from": 6}}
+    config = DelayedConfig(target_samples=2, epoch_samples=12, max_epochs=2, timeout=timedelta(seconds=20),
+                           name=f"epochend{finish}", **finishes[finish])
     hook, agree = threading.Barrier(world), {}
 
     def fn(rank: int, store: dist.Store) -> dict:
         engine = DelayedAllreduce(config, store=store, rank=rank, world_size=world,
                                   like=[torch.zeros(3, dtype=torch.float64)]).start()
-        deposits, handed_at, held_in_epoch, last_rounds = [], [], [], []
+        deposits, handed_at, batches, last_rounds = [], [], [], []
         try:
             k, epoch = 0, 0
             while engine.final_round is None:
                 last = engine.progress().epochs_completed > epoch  # the batch start
-                if rank == 1 and not last and engine.progress().sync_from is None:
+                if finish == "round" and rank == 0 and k == 0:
+                    engine.drain(5)  # a first batch spanning every asynchronous round
+                elif finish == "samples" and rank == 1 and not last and engine.progress().sync_from is None:
                     engine.drain(engine.started_round)  # a batch spanning the round in flight
-                else:
+                elif rank == 0 or finish == "samples":
                     time.sleep(0.005 if rank == 0 else 0.001)
                 g, b = grad_of(rank, k), 2 if rank == 1 else 1
                 results = engine.deposit([g], samples=b, epoch=None if last else epoch)
-                if not last and engine.holding:
-                    held_in_epoch.append((epoch, engine.deposit_round))
+                arrived = any(r.round_index == engine.deposit_round for r in results)  # its own round, at once
+                batches.append((epoch, last, engine.deposit_round, arrived))
                 if last and engine.holding:
                     results += engine.arrive()  # abs_sgd: at the batch's end, before the hooks
                 deposits.append((g, b, engine.deposit_round, engine.started_round))
@@ -457,13 +463,18 @@ def test_a_batch_that_began_before_its_epochs_last_round_completed_does_not_arri
                     epoch += 1
                 assert k < 2000, "the final round never came"
             _, final = end_of_fit(engine, rank, hook, agree)
-            return {"deposits": deposits, "handed_at": handed_at, "final": final, "held": held_in_epoch,
+            return {"deposits": deposits, "handed_at": handed_at, "final": final, "batches": batches,
                     "last_rounds": last_rounds, "fresh_from": engine.fresh_from}
         finally:
             engine.close()
 
     records = run_threads(world, fn, timeout=60)
-    check_sums_and_conservation(records)
+    results = check_sums_and_conservation(records)
     s = records[0]["fresh_from"] - 1  # the first synchronous round: E + 1
-    assert records[1]["held"] == [(0, s)], records[1]["held"]  # the batch that spanned E, and only it
+    if finish == "round":
+        assert s == 6 and [sum(results[r][1]) for r in range(6)] == [2] * 6  # E = 5: 12 samples
+    for record_ in records:
+        spanning = [b for b in record_["batches"] if b[0] == 0 and not b[1] and b[2] >= s]
+        assert not any(arrived for *_, arrived in spanning), record_["batches"]  # never arrived after E
     assert [r["last_rounds"][0] for r in records] == [s, s]  # every rank's last batch of epoch 0 arrived at E + 1
+    assert any(b[0] == 0 and not b[1] and b[2] == s for b in records[1]["batches"]), "rank 1 never spanned E"

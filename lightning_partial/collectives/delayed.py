@@ -336,7 +336,8 @@ class DelayedAllreduce(PartialAllreduce):
         :attr:`holding` tells, :meth:`arrive` arrives without a new micro-batch).
         ``epoch``: the caller's epoch (0-based, as the rounds count them), given
         from a batch that does not end it: once the completed rounds have
-        ended that epoch, the micro-batch is held too, so that the caller's
+        ended that epoch (asked, in a synchronous round, once the round
+        before it completed), the micro-batch is held too, so that the caller's
         next batch, which ends the epoch, is the one that arrives (as on the
         ranks that saw the epoch end before their batch began; see the module
         docstring).
@@ -360,6 +361,18 @@ class DelayedAllreduce(PartialAllreduce):
         grads = self._as_list(tensors)
         with self._cond:
             q = self._snapshotted + 1
+            # From a batch that may not end its epoch, a synchronous round is decided on only once the round
+            # before it completed: whether that round ended the epoch is known then (with sync_from given,
+            # round q is known synchronous while q - 1 is in flight). Arriving would wait for it anyway.
+            settle = (epoch is not None and self._known_sync(q) and self._final_round is None
+                      and self._completed < q - 1)
+        if settle:
+            self._caller_wait(
+                lambda: self._raise_if_failed(q - 1) or self._completed >= q - 1 or self._stop_round is not None
+                or self._closing,
+                q - 1,
+                f"round {q - 1} did not complete (is a rank dead or stalled?)",
+            )
         self.layout.check(grads, rank=self.rank, round_index=q)
         flats = self.layout.flatten(grads)
         for f in flats:
@@ -452,7 +465,10 @@ class DelayedAllreduce(PartialAllreduce):
                 return []
             self._step = q + 1  # the arrival the communication thread waits for (RoundRunner)
             self._cond.notify_all()
-        return self._await_synchronous(q)
+        try:
+            return self._await_synchronous(q)
+        finally:
+            self._returned_at = time.monotonic()  # the wait is no micro-batch's work (as in deposit())
 
     def pause(self) -> None:
         """This rank activates no round until :meth:`resume` (caller's thread; returns once it holds)."""

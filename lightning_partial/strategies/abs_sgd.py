@@ -688,6 +688,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             for index, engine in self._engines.items():
                 if engine.holding:
                     results = engine.arrive()
+                    self._held[index] = 0
                     steps = self._apply(index, self.optimizers[index], results)
                     _compat.add_optimizer_steps(self._trainer, steps)  # after Lightning counted this batch's
 
