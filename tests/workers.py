@@ -56,9 +56,10 @@ def killed_mid_run(rank: int, world_size: int, port: int, mode: str, victim: int
         engine.close(timeout=2)
 
 
-def strategy_collectives_without_a_peer(rank: int, world_size: int, port: int) -> list[str]:
+def strategy_collectives_without_a_peer(rank: int, world_size: int, port: int, heartbeat: bool = False) -> list[str]:
     """The strategy's own collectives (barrier, broadcast, reduce, all_gather) on rank 0 while the last rank,
-    alive, never joins: each raises within the group's timeout; returns their messages (the last rank: [])."""
+    alive, never joins: each raises within the group's timeout; returns their messages (the last rank: []).
+    ``heartbeat``: rank 0 runs the strategy's liveness monitor (1 s), which the last rank never answers."""
     from lightning.fabric.plugins.environments import LightningEnvironment
 
     from lightning_partial import EagerSGDStrategy
@@ -86,6 +87,11 @@ def strategy_collectives_without_a_peer(rank: int, world_size: int, port: int) -
         if rank == world_size - 1:
             store.wait(["done"], timedelta(seconds=60))  # alive, never joining, until the others are done
             return []
+        if heartbeat:
+            from lightning_partial.collectives.liveness import Heartbeat
+
+            strategy._heartbeat = Heartbeat(store, rank=rank, world_size=world_size, timeout=timedelta(seconds=1),
+                                            on_dead=lambda error: None, name="test-heartbeat").start()
         messages = []
         try:
             # The first call ends at the group's timeout; gloo then closes the group's connections, and the
@@ -100,6 +106,8 @@ def strategy_collectives_without_a_peer(rank: int, world_size: int, port: int) -
                     messages.append(f"{type(err).__name__}: {err}")
         finally:
             store.set("done", "1")
+            if strategy._heartbeat is not None:
+                strategy._heartbeat.stop()
         return messages
     finally:
         dist.destroy_process_group()

@@ -7,7 +7,7 @@ a log of a many-rank job says at once where a job stopped and why.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 
 class PartialCollectiveError(RuntimeError):
@@ -35,7 +35,10 @@ def error_kind(err: BaseException) -> type[PartialCollectiveError]:
 
 
 @contextlib.contextmanager
-def naming_failure(what: str, *, rank: int, round_index: Optional[int], last: bool = False) -> Iterator[None]:
+def naming_failure(
+    what: str, *, rank: int, round_index: Optional[int], last: bool = False,
+    verdict: Optional[Callable[[], Optional[BaseException]]] = None,
+) -> Iterator[None]:
     """Around a collective of the caller's own thread: its failure raised as :class:`PartialCollectiveError`.
 
     gloo's error (a peer that died, or did not come within the group's timeout) names
@@ -44,7 +47,9 @@ def naming_failure(what: str, *, rank: int, round_index: Optional[int], last: bo
     (the round the collective belongs to; with ``last``, the last one the caller applied, and the
     message says "``what`` after the last round failed") in its prefix.
     A timeout raises :class:`PartialCollectiveTimeout` (:func:`error_kind`), as the engine's
-    own collectives do. An error that names them already passes unchanged.
+    own collectives do. An error that names them already passes unchanged. ``verdict``: asked
+    after a failure, a liveness verdict naming the rank that is gone (``None``: none is out);
+    the message then gives it first, as the engine's own failures do.
     """
     try:
         yield
@@ -52,6 +57,12 @@ def naming_failure(what: str, *, rank: int, round_index: Optional[int], last: bo
         raise
     except RuntimeError as err:
         after = " after the last round" if last and round_index is not None else ""
+        found = verdict() if verdict is not None else None
+        if found is not None:
+            raise PartialCollectiveError(
+                f"{what}{after} failed: {found} (then: {type(err).__name__}: {err})", rank=rank,
+                round_index=round_index,
+            ) from err
         raise error_kind(err)(
             f"{what}{after} failed (a peer that died, or did not come within the group's timeout; or the backend's"
             f" own error): {type(err).__name__}: {err}",

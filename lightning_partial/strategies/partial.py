@@ -40,6 +40,7 @@ rounds (see :mod:`lightning_partial.strategies.process_group`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from abc import abstractmethod
 from dataclasses import replace
@@ -58,6 +59,7 @@ import lightning.pytorch as pl
 from lightning_partial import _compat
 from lightning_partial.collectives import PartialAllreduceConfig, PartialCollectiveError, RoundStats, create_store
 from lightning_partial.collectives.checks import check_timedelta
+from lightning_partial.collectives.errors import naming_failure
 from lightning_partial.collectives.liveness import Heartbeat
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.strategies.agreed_clock import AgreedClock
@@ -497,6 +499,18 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
     @override
     def _last_round(self) -> Optional[int]:
         return max((stats.round_index for stats in self.round_stats.values()), default=None)
+
+    @override
+    def _naming_failure(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """As the base class's, and naming the rank that is gone where this rank's heartbeat has a verdict (its
+        own, or one a peer published: one fresh read of the store, as an engine's failed round asks)."""
+        heartbeat = self._heartbeat
+
+        def verdict() -> Optional[PartialCollectiveError]:
+            return None if heartbeat is None else heartbeat.wait_verdict(2 * heartbeat.interval, fresh=True)
+
+        return naming_failure(what, rank=self.global_rank, round_index=self._last_round(), last=True,
+                              verdict=verdict)
 
     def _release_store(self, *, agreed: bool) -> None:
         """Drops this rank's client of the engines' store; rank 0's is its server, which then closes.
