@@ -364,8 +364,9 @@ class DelayedAllreduce(PartialAllreduce):
             # From a batch that may not end its epoch, a synchronous round is decided on only once the round
             # before it completed: whether that round ended the epoch is known then (with sync_from given,
             # round q is known synchronous while q - 1 is in flight). Arriving would wait for it anyway.
-            settle = (epoch is not None and self._known_sync(q) and self._final_round is None
-                      and self._completed < q - 1)
+            settle = (epoch is not None and arrive and self.delayed.epoch_samples is not None
+                      and self._known_sync(q) and self._final_round is None and self._completed < q - 1
+                      and not self._behind(q))  # held anyway otherwise
         if settle:
             self._caller_wait(
                 lambda: self._raise_if_failed(q - 1) or self._completed >= q - 1 or self._stop_round is not None

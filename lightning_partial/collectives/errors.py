@@ -37,7 +37,7 @@ def error_kind(err: BaseException) -> type[PartialCollectiveError]:
 @contextlib.contextmanager
 def naming_failure(
     what: str, *, rank: int, round_index: Optional[int], last: bool = False,
-    verdict: Optional[Callable[[], Optional[BaseException]]] = None,
+    verdict: Optional[Callable[[BaseException], Optional[BaseException]]] = None,
 ) -> Iterator[None]:
     """Around a collective of the caller's own thread: its failure raised as :class:`PartialCollectiveError`.
 
@@ -48,8 +48,8 @@ def naming_failure(
     message says "``what`` after the last round failed") in its prefix.
     A timeout raises :class:`PartialCollectiveTimeout` (:func:`error_kind`), as the engine's
     own collectives do. An error that names them already passes unchanged. ``verdict``: asked
-    after a failure, a liveness verdict naming the rank that is gone (``None``: none is out);
-    the message then gives it first, as the engine's own failures do.
+    with torch's error after a failure, a liveness verdict naming the rank that is gone
+    (``None``: none is out); the message then gives it first, as the engine's own failures do.
     """
     try:
         yield
@@ -57,9 +57,9 @@ def naming_failure(
         raise
     except RuntimeError as err:
         after = " after the last round" if last and round_index is not None else ""
-        found = verdict() if verdict is not None else None
+        found = verdict(err) if verdict is not None else None
         if found is not None:
-            raise PartialCollectiveError(
+            raise error_kind(err)(
                 f"{what}{after} failed: {found} (then: {type(err).__name__}: {err})", rank=rank,
                 round_index=round_index,
             ) from err

@@ -64,7 +64,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -121,14 +121,18 @@ def gather_engine_states(
     strategy: str,
     family: str,
     group: Optional[Any] = None,
+    verdict: Optional[Callable[[BaseException], Optional[BaseException]]] = None,
 ) -> Optional[dict[str, Any]]:
-    """Collective on ``group`` (default: the default group): returns the checkpoint entry on rank 0, ``None`` elsewhere."""
+    """Collective on ``group`` (default: the default group): returns the checkpoint entry on rank 0, ``None`` elsewhere.
+
+    ``verdict``: a failed gather names the rank that is gone where it gives one (see ``naming_failure``)."""
     gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
     if world_size > 1:
         # Bounded by the group's timeout (the strategy's ``timeout``); a dead or stalled rank: say which rank
         # and which round.
         step = next((int(s["step"]) for s in states.values()), None)
-        with naming_failure("gathering the engines' state for a checkpoint", rank=rank, round_index=step):
+        with naming_failure("gathering the engines' state for a checkpoint", rank=rank, round_index=step,
+                            verdict=verdict):
             dist.gather_object(states, gathered, dst=0, group=group)
     else:
         gathered = [states]

@@ -59,7 +59,7 @@ import lightning.pytorch as pl
 from lightning_partial import _compat
 from lightning_partial.collectives import PartialAllreduceConfig, PartialCollectiveError, RoundStats, create_store
 from lightning_partial.collectives.checks import check_timedelta
-from lightning_partial.collectives.errors import naming_failure
+from lightning_partial.collectives.errors import PartialCollectiveTimeout, error_kind, naming_failure
 from lightning_partial.collectives.liveness import Heartbeat
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.strategies.agreed_clock import AgreedClock
@@ -502,15 +502,25 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
 
     @override
     def _naming_failure(self, what: str) -> contextlib.AbstractContextManager[None]:
-        """As the base class's, and naming the rank that is gone where this rank's heartbeat has a verdict (its
-        own, or one a peer published: one fresh read of the store, as an engine's failed round asks)."""
-        heartbeat = self._heartbeat
-
-        def verdict() -> Optional[PartialCollectiveError]:
-            return None if heartbeat is None else heartbeat.wait_verdict(2 * heartbeat.interval, fresh=True)
-
+        """As the base class's, and naming the rank that is gone where this rank's heartbeat has a verdict
+        (:meth:`_verdict`)."""
         return naming_failure(what, rank=self.global_rank, round_index=self._last_round(), last=True,
-                              verdict=verdict)
+                              verdict=self._verdict)
+
+    def _verdict(self, err: BaseException) -> Optional[PartialCollectiveError]:
+        """Main thread, after one of the strategy's collectives failed with torch's ``err``: the heartbeat's
+        verdict on a rank that is gone, if one comes (``None`` without a running heartbeat).
+
+        As an engine's failed round asks it (``RoundRunner._explain``): after a timeout up to two beats, in
+        which the heartbeat may name the rank that stopped (with ``collective_timeout >= timeout`` the group's
+        bound and the heartbeat's are the same); after any other failure (a peer's process is gone, its
+        heartbeat silent for moments) one fresh read of the store, for a verdict some rank published.
+        """
+        heartbeat = self._heartbeat
+        if heartbeat is None:
+            return None
+        fresh = error_kind(err) is not PartialCollectiveTimeout
+        return heartbeat.wait_verdict(2 * heartbeat.interval, fresh=fresh)
 
     def _release_store(self, *, agreed: bool) -> None:
         """Drops this rank's client of the engines' store; rank 0's is its server, which then closes.
@@ -605,6 +615,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
                 strategy=self.strategy_name,
                 family=self.engine_family,
                 group=self.collective_group,
+                verdict=self._verdict,
             )
             if entry is not None:
                 checkpoint[CHECKPOINT_KEY] = entry
