@@ -339,6 +339,27 @@ def test_deposit_checks_the_samples():
         engine.flush()
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    ({"samples": 0}, "rank 0: samples must be an integer >= 1, got 0"),
+    ({"samples": 2.0}, "rank 0: samples must be an integer >= 1, got 2.0"),
+    ({"samples": 1, "epoch": -1}, "rank 0: epoch must be an integer >= 0 or None, got -1"),
+    ({"samples": 1, "epoch": 0.5}, "rank 0: epoch must be an integer >= 0 or None, got 0.5"),
+])
+def test_a_started_engine_refuses_bad_samples_and_epochs_and_keeps_nothing(kwargs, match):
+    """A bad deposit fails naming the rank and the argument, before anything enters the send buffer."""
+    def fn(rank: int, store: dist.Store) -> None:
+        config = DelayedConfig(target_samples=4, timeout=timedelta(seconds=10), name=f"bad{len(match)}")
+        engine = DelayedAllreduce(config, store=store, rank=0, world_size=1, like=[torch.zeros(2)]).start()
+        try:
+            with pytest.raises(ValueError, match=match):
+                engine.deposit([torch.ones(2)], **kwargs)
+            assert engine.state_dict()["pending_samples"] == []
+        finally:
+            engine.close()
+
+    run_threads(1, fn)
+
+
 def test_elastic_sampler_never_ends_and_follows_the_batch_size():
     sampler = ElasticBatchSampler(10, batch_size=3, num_replicas=2, rank=1, seed=4)
     it = iter(sampler)
