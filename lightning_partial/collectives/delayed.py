@@ -406,8 +406,7 @@ class DelayedAllreduce(PartialAllreduce):
                 logger.debug("rank %d: holds its arrival at synchronous round %d until rounds %d-%d are applied",
                              self.rank, q, self._handed + 1, q - 2)
             if synchronous and not held:
-                self._step = q + 1  # the arrival the communication thread waits for (RoundRunner)
-                self._cond.notify_all()
+                self._mark_arrival(q)
             pending = sum(p.samples for p in deposits)  # the send buffer itself: d is in it
             triggered = False
             if not synchronous and not self._requested and self._trigger_met(pending):
@@ -448,8 +447,7 @@ class DelayedAllreduce(PartialAllreduce):
         finish (see :meth:`deposit`); :meth:`arrive` arrives with them.
         """
         with self._cond:
-            q = self._snapshotted + 1
-            return bool(self._pending) and self._known_sync(q) and self._final_round is None
+            return self._held_round() is not None
 
     def arrive(self) -> list[RoundResult]:
         """Arrives at the synchronous round with what this rank holds, without a new micro-batch (caller's thread).
@@ -461,11 +459,10 @@ class DelayedAllreduce(PartialAllreduce):
         """
         self._check_running("arrive")
         with self._cond:
-            q = self._snapshotted + 1
-            if not (self._pending and self._known_sync(q) and self._final_round is None):
+            q = self._held_round()
+            if q is None:
                 return []
-            self._step = q + 1  # the arrival the communication thread waits for (RoundRunner)
-            self._cond.notify_all()
+            self._mark_arrival(q)
         try:
             return self._await_synchronous(q)
         finally:
@@ -617,6 +614,16 @@ class DelayedAllreduce(PartialAllreduce):
             raise EngineClosedError(f"close() was called while waiting for synchronous round {q}", rank=self.rank,
                                     round_index=q)
         return self._completed >= q or self._stop_round is not None
+
+    def _held_round(self) -> Optional[int]:
+        """Under ``self._cond``: the synchronous round this rank holds micro-batches for, not arrived at yet."""
+        q = self._snapshotted + 1
+        return q if self._pending and self._known_sync(q) and self._final_round is None else None
+
+    def _mark_arrival(self, q: int) -> None:
+        """Under ``self._cond``: this rank arrives at synchronous round ``q`` with its send buffer."""
+        self._step = q + 1  # the arrival the communication thread waits for (RoundRunner)
+        self._cond.notify_all()
 
     def _behind(self, q: int) -> bool:
         """Under ``self._cond``: arriving at synchronous round ``q`` now would come before this rank's caller was

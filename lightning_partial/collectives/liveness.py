@@ -152,6 +152,15 @@ class Heartbeat:
             time.sleep(min(0.05, self.interval))
         return self._verdict
 
+    def verdict_after_failure(self, *, timed_out: bool) -> Optional[PartialCollectiveError]:
+        """After a collective failed (any thread but the heartbeat's): the verdict, if one comes.
+
+        ``timed_out``: up to two beats, in which this heartbeat may name the rank that stopped;
+        otherwise (a connection closed early: a peer's process is gone, its heartbeat silent for
+        moments) one fresh read of the store, for a verdict some rank published already.
+        """
+        return self.wait_verdict(2 * self.interval, fresh=not timed_out)
+
     def start(self) -> "Heartbeat":
         """Writes the first beat and starts the threads (every rank; not collective)."""
         if self._threads:

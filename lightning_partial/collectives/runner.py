@@ -281,8 +281,7 @@ class RoundRunner(EngineGroups):
         began = self._reduce_began
         near_bound = (began is not None and time.monotonic() - began
                       >= self._round_bound.total_seconds() - 2 * liveness.interval)
-        fresh = not isinstance(err, PartialCollectiveTimeout) and not near_bound
-        verdict = liveness.wait_verdict(2 * liveness.interval, fresh=fresh)
+        verdict = liveness.verdict_after_failure(timed_out=isinstance(err, PartialCollectiveTimeout) or near_bound)
         if verdict is None:
             return err
         named = PartialCollectiveError(f"{verdict} (then: {err})", rank=self.rank, round_index=err.round_index)

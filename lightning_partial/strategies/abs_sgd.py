@@ -677,6 +677,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         ``E`` had completed before it started), and none has necessarily applied ``E``: so the saves of the
         rounds before ``E`` run here on every rank, and those of ``E`` on (applied in the last batch or the
         next epoch's first) at the next epoch's batch starts, after the epoch-end hooks on every rank.
+        Then, in a last batch that arrives (``_epoch_end_arrival``), the arrival the engine held, if it held one.
         """
         if self._save_boundary is not None:
             self._run_pending_saves(before=self._save_boundary)

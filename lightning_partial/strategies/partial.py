@@ -519,8 +519,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         heartbeat = self._heartbeat
         if heartbeat is None:
             return None
-        fresh = error_kind(err) is not PartialCollectiveTimeout
-        return heartbeat.wait_verdict(2 * heartbeat.interval, fresh=fresh)
+        return heartbeat.verdict_after_failure(timed_out=error_kind(err) is PartialCollectiveTimeout)
 
     def _release_store(self, *, agreed: bool) -> None:
         """Drops this rank's client of the engines' store; rank 0's is its server, which then closes.
