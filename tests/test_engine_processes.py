@@ -51,3 +51,4 @@ def test_a_strategy_collective_without_a_peer_fails_naming_rank_round_and_what(h
         assert (f": [partial allreduce, rank 0, round 17] the strategy's {name} after the last round failed"
                 in message), messages
         assert ("rank 1 has not answered" in message) is heartbeat, message
+        assert message.count("[partial allreduce") == 1, message  # the verdict quoted without its own prefix

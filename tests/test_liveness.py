@@ -173,6 +173,7 @@ def test_a_connection_closed_at_the_rounds_bound_waits_for_the_verdict() -> None
         publish.join()
         assert "rank 2 has not answered" in str(named) and "Connection closed by peer" in str(named), named
         assert "round 85" in str(named)
+        assert str(named).count("[partial allreduce") == 1, named  # one prefix: this rank, this round
     finally:
         beat.stop()
 

@@ -18,6 +18,13 @@ class PartialCollectiveError(RuntimeError):
         super().__init__(f"[partial allreduce, {where}] {message}")
         self.rank = rank
         self.round_index = round_index
+        #: The message without its prefix: for an error that quotes this one under a prefix of its own.
+        self.detail = message
+
+
+def detail(err: BaseException) -> str:
+    """``err``'s message without the ``[partial allreduce, ...]`` prefix where it has one (quoted in another's)."""
+    return err.detail if isinstance(err, PartialCollectiveError) else str(err)
 
 
 class PartialCollectiveTimeout(PartialCollectiveError, TimeoutError):
@@ -60,7 +67,7 @@ def naming_failure(
         found = verdict(err) if verdict is not None else None
         if found is not None:
             raise error_kind(err)(
-                f"{what}{after} failed: {found} (then: {type(err).__name__}: {err})", rank=rank,
+                f"{what}{after} failed: {detail(found)} (then: {type(err).__name__}: {err})", rank=rank,
                 round_index=round_index,
             ) from err
         raise error_kind(err)(

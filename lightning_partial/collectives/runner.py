@@ -284,7 +284,10 @@ class RoundRunner(EngineGroups):
         verdict = liveness.verdict_after_failure(timed_out=isinstance(err, PartialCollectiveTimeout) or near_bound)
         if verdict is None:
             return err
-        named = PartialCollectiveError(f"{verdict} (then: {err})", rank=self.rank, round_index=err.round_index)
+        # One prefix: the verdict's (this rank, its progress) and err's (this rank, this round) would repeat
+        # what this one says. A timeout stays one (as the strategies' explained collectives: naming_failure).
+        kind = PartialCollectiveTimeout if isinstance(err, PartialCollectiveTimeout) else PartialCollectiveError
+        named = kind(f"{verdict.detail} (then: {err.detail})", rank=self.rank, round_index=err.round_index)
         named.__cause__ = err
         return named
 
