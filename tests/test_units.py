@@ -521,3 +521,24 @@ def test_abs_sgd_arrives_with_an_epochs_last_batch_only_where_every_rank_lands_i
 
     progress = RoundProgress(final_round=None, epochs_completed=1, epoch_end_rounds={0: 10}, sync_from=sync_from)
     assert ABSSGDStrategy._epoch_end_arrival(ends, progress, boundary) is expected
+
+
+def test_a_failed_collective_of_a_resumed_fit_names_its_checkpoints_last_round_before_its_first():
+    """What a strategy's failed collective names as the last round (``_last_round``): this fit's latest round;
+    before the first of a resumed fit, the last its checkpoint's engines had reached; before any, none."""
+    from types import SimpleNamespace
+
+    from lightning_partial import EagerSGDStrategy
+    from lightning_partial.collectives import RoundStats
+
+    strategy = EagerSGDStrategy()
+    assert strategy._last_round() is None
+    strategy._engines = {0: SimpleNamespace(step=0)}  # a fresh fit's engine: its next round is 0
+    assert strategy._last_round() is None
+    strategy._engines = {0: SimpleNamespace(step=18), 1: SimpleNamespace(step=12)}  # restored: next rounds 18, 12
+    assert strategy._last_round() == 17
+    strategy.round_stats[0] = RoundStats(
+        round_index=18, activator=0, initiator=None, synchronous=False, flush=False, fresh=(0,), counts=(1, 1),
+        staleness=(0, 0), oldest_staleness=(0, 0), progress=(19, 19), dropped=(0, 0), contributions=2, divisor=2,
+    )
+    assert strategy._last_round() == 18

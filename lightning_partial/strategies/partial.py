@@ -498,7 +498,12 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
 
     @override
     def _last_round(self) -> Optional[int]:
-        return max((stats.round_index for stats in self.round_stats.values()), default=None)
+        rounds = [stats.round_index for stats in self.round_stats.values()]
+        if not rounds:
+            # A resumed fit before its first round: the last round its checkpoint's engines had reached (a
+            # restored engine's next round is the one after it; a fresh one's is 0: none).
+            rounds = [engine.step - 1 for engine in self._engines.values() if engine.step > 0]
+        return max(rounds, default=None)
 
     @override
     def _naming_failure(self, what: str) -> contextlib.AbstractContextManager[None]:
