@@ -324,6 +324,10 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         # the global batch (neither known yet: 1 stands in).
         self._delayed_config(target_samples=1 if target_samples is None and trigger == "samples" else target_samples,
                              reference_samples=1 if reference_samples == GLOBAL_BATCH else reference_samples)
+        if not isinstance(shuffle, bool):
+            raise ValueError(f"{self.strategy_name}: shuffle must be True or False, got {shuffle!r}")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"{self.strategy_name}: seed must be an integer, got {seed!r}")
         self.shuffle = shuffle
         self.seed = seed
         self.staleness_rule = compensation.check_rule(staleness_rule, owner=self.strategy_name)

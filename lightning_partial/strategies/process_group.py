@@ -82,6 +82,22 @@ def _warn_if_restarts_share_the_rendezvous_store() -> None:
         )
 
 
+
+def check_backend(backend: object) -> None:
+    """``process_group_backend``: ``None`` (chosen from the device) or a backend ``torch.distributed`` knows, alone or
+    per device (``"cpu:gloo,cuda:nccl"``), checked at construction: an unknown one would fail only once every rank
+    has started, in ``init_process_group``."""
+    if backend is None:
+        return
+    known = [b for b in dist.Backend.backend_list if b != dist.Backend.UNDEFINED]
+    names = [part.split(":", 1)[-1].strip().lower() for part in backend.split(",")] if isinstance(backend, str) else []
+    if not names or not all(names) or any(name not in known for name in names):
+        raise ValueError(
+            f"process_group_backend must be None or a torch.distributed backend ({', '.join(known)}; or one per"
+            f" device, as 'cpu:gloo,cuda:nccl'), got {backend!r}: a third-party backend must be registered"
+            " (torch.distributed.Backend.register_backend, usually by importing its package) before the strategy is made"
+        )
+
 class ProcessGroupStrategy(ParallelStrategy):
     """Processes and groups as under ``DDPStrategy``; the strategy's own collectives on :attr:`collective_group`.
 
@@ -121,6 +137,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         if start_method not in ("popen", "spawn", "fork"):
             raise ValueError(f"start_method must be 'popen', 'spawn' or 'fork', got {start_method!r}")
         check_timedelta("timeout", timeout)
+        check_backend(process_group_backend)
         self._num_nodes = 1
         self._timeout = timeout
         self._process_group_backend = process_group_backend

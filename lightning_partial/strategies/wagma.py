@@ -20,8 +20,8 @@ docs/algorithms.md#wagma-sgd-against-its-published-code):
   the paper): a global average every 5 rounds kept the main jobs within a point
   of DDP's accuracy where every 10 did not (SGD momentum: +0.3 points over two
   sets of five seeds against -2.0; AdamW: -0.5 over two sets of ten against
-  -1.3), for 2% of the throughput on the imbalance benchmark and 0-9% in the
-  main jobs (docs/staleness.md#a-global-average-every-5-rounds).
+  -1.3), for 6-7.5% of the throughput on the imbalance benchmark (medians of three repeats) and 0-9% in
+  the main jobs (docs/staleness.md#a-global-average-every-5-rounds).
 * **Order of step and average.** Here the optimizer steps first and the stepped
   model is averaged (``order="step_then_average"``, **Decision**); the reference
   assigns the group average to the pre-step model and then applies the local
