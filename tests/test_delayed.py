@@ -499,3 +499,73 @@ def test_a_batch_that_began_before_its_epochs_last_round_completed_does_not_arri
         assert not any(arrived for *_, arrived in spanning), record_["batches"]  # never arrived after E
     assert [r["last_rounds"][0] for r in records] == [s, s]  # every rank's last batch of epoch 0 arrived at E + 1
     assert any(b[0] == 0 and not b[1] and b[2] == s for b in records[1]["batches"]), "rank 1 never spanned E"
+
+
+def test_an_epoch_that_ends_two_rounds_before_the_finish_ends_without_an_arrival_at_its_first_round():
+    """The strategy's third rule (``ABSSGDStrategy._epoch_end_arrival``) on the engine: the epoch's last round ``E``
+    is ``S - 2``. Rank 0's last micro-batch lands in round ``E + 1`` (asynchronous: rank 0 goes on to the epoch-end
+    hooks). Rank 1's batch that began before ``E`` completed requests ``E + 1`` (and is handed ``E``: the engine's
+    own rule for a rank behind does not hold its next deposit); its last lands in ``S`` once ``E + 1`` completed.
+    Arriving there, rank 1 would wait in ``S`` for rank 0, which waits in the hooks for rank 1; so the rule has no
+    rank arrive with its epoch's last batch, and each arrives with its next epoch's first. Both ranks' loops end,
+    every result identical, nothing lost. Rank 1 alone fills epoch 0 (rounds 0-5, 2 samples each: ``E = 5``);
+    ``sync_from = 7``."""
+    from lightning_partial.strategies.abs_sgd import ABSSGDStrategy
+
+    world, e, s = 2, 5, 7
+    config = DelayedConfig(target_samples=2, epoch_samples=12, max_epochs=2, sync_from=s,
+                           timeout=timedelta(seconds=20), name="epochend3")
+    hook, agree, rank0_last_in = threading.Barrier(world), {}, threading.Event()
+
+    def fn(rank: int, store: dist.Store) -> dict:
+        engine = DelayedAllreduce(config, store=store, rank=rank, world_size=world,
+                                  like=[torch.zeros(3, dtype=torch.float64)]).start()
+        deposits, handed_at, lasts = [], [], []
+        try:
+            k, epoch = 0, 0
+            while engine.final_round is None:
+                if (rank, k) in ((0, 0), (1, e + 2)):
+                    engine.drain(e)  # rank 0 idles through epoch 0; rank 1's last batch of it begins after E
+                if rank == 1 and k == e + 1:
+                    # A batch that began before E completed (the strategy read the progress just before): not the
+                    # epoch's last. It requests E + 1 once rank 0's last micro-batch is in it.
+                    last = False
+                    assert rank0_last_in.wait(timeout=10)
+                else:
+                    last = engine.progress().epochs_completed > epoch  # the batch start
+                if rank == 1 and last and epoch == 0:
+                    engine.drain(e + 1)  # rank 1's last batch spans round E + 1
+                elif k > 0:
+                    time.sleep(0.002)
+                # One sample a micro-batch on rank 0 (the first requests no round), two on rank 1 (each requests).
+                g, b = grad_of(rank, k), 1 if rank == 0 else 2
+                arrive = True
+                if last:
+                    progress = engine.progress()
+                    arrive = ABSSGDStrategy._epoch_end_arrival("epoch", progress, progress.epoch_end_rounds[epoch])
+                results = engine.deposit([g], samples=b, arrive=arrive, epoch=None if last else epoch)
+                deposits.append((g, b, engine.deposit_round, engine.started_round))
+                handed_at.append(record(results))
+                k += 1
+                if last:
+                    lasts.append((epoch, engine.deposit_round, arrive, engine.holding))
+                    if rank == 0 and epoch == 0:
+                        rank0_last_in.set()
+                    hook.wait(timeout=10)  # the epoch-end hooks: collective
+                    epoch += 1
+                assert k < 2000, "the final round never came"
+            _, final = end_of_fit(engine, rank, hook, agree)
+            return {"deposits": deposits, "handed_at": handed_at, "final": final, "lasts": lasts,
+                    "fresh_from": engine.fresh_from}
+        finally:
+            engine.close()
+
+    records = run_threads(world, fn, timeout=60)
+    results = check_sums_and_conservation(records)
+    assert records[0]["fresh_from"] == s + 1
+    assert [sum(results[r][1]) for r in range(e + 1)] == [2] * (e + 1)  # E = 5: 12 samples, rank 1's
+    assert results[e + 1][1] == (1, 2)  # E + 1: rank 0's last micro-batch and rank 1's batch that spanned E
+    assert [x[0] for x in records[1]["handed_at"][e + 1]][-1] == e  # so rank 1 was handed E: not behind at S
+    # The alignment the rule is for: rank 0's last micro-batch of epoch 0 in E + 1, rank 1's in S, neither arrived.
+    assert records[0]["lasts"][0][:3] == (0, e + 1, False), records[0]["lasts"]
+    assert records[1]["lasts"][0] == (0, s, False, True), records[1]["lasts"]  # held, not waiting in S
