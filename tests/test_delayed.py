@@ -569,3 +569,90 @@ def test_an_epoch_that_ends_two_rounds_before_the_finish_ends_without_an_arrival
     # The alignment the rule is for: rank 0's last micro-batch of epoch 0 in E + 1, rank 1's in S, neither arrived.
     assert records[0]["lasts"][0][:3] == (0, e + 1, False), records[0]["lasts"]
     assert records[1]["lasts"][0] == (0, s, False, True), records[1]["lasts"]  # held, not waiting in S
+
+
+def one_rank_fit(config: DelayedConfig, rounds: int) -> tuple[DelayedAllreduce, dict]:
+    """A one-rank engine that ran ``rounds`` rounds of one sample each, then paused and drained (as a checkpoint
+    is taken): the engine (closed) and its state."""
+    store = dist.HashStore()
+    engine = DelayedAllreduce(config, store=store, rank=0, world_size=1, like=[torch.zeros(2)]).start()
+    try:
+        for _ in range(rounds):
+            engine.deposit([torch.ones(2)], samples=1)
+        engine.pause()
+        engine.drain(engine.known_round())
+        return engine, engine.state_dict()
+    finally:
+        engine.close()
+
+
+def restored(config: DelayedConfig, state: dict) -> DelayedAllreduce:
+    """A new engine (not started) with ``state`` loaded, as a resumed fit's."""
+    engine = DelayedAllreduce(config, store=dist.HashStore(), rank=0, world_size=1, like=[torch.zeros(2)])
+    engine.load_state_dict(state)
+    return engine
+
+
+@pytest.mark.parametrize("thresholds", [{"sync_from_samples": 4}, {"sync_from_samples": 4, "sync_from": 100}])
+def test_a_resumed_engine_keeps_where_the_finish_began_and_where_the_epochs_ended(thresholds):
+    """A checkpoint taken in the synchronous finish resumes with the round where it began (so the first resumed
+    round is fresh, as it was in the fit that saved it) and with the rounds that ended each epoch (abs_sgd decides
+    its epoch-end arrivals from them). With both thresholds the finish begins at whichever comes first, in the
+    running engine as in the resumed one. At least one sample a round: the finish begins by round 4."""
+    config = DelayedConfig(target_samples=1, epoch_samples=3, timeout=timedelta(seconds=20), name="resume",
+                           **thresholds)
+    engine, state = one_rank_fit(config, 10)
+    progress = engine.progress()
+    assert progress.sync_from is not None and progress.sync_from <= 4 and engine.fresh_from == progress.sync_from + 1
+    assert sorted(progress.epoch_end_rounds) == [0, 1, 2]
+    assert state["step"] > engine.fresh_from  # saved inside the finish
+    resumed = restored(config, state)
+    assert resumed.progress() == progress
+    assert resumed.fresh_from == engine.fresh_from and resumed.is_fresh(state["step"])
+    # A checkpoint from before these were saved: the resumed round is the finish's first (not fresh), no epochs.
+    old = {k: v for k, v in state.items() if k not in ("sync_from", "epoch_end_rounds")}
+    assert restored(config, old).fresh_from == state["step"] + 1
+    assert restored(config, old).progress().epoch_end_rounds == {}
+
+
+def test_a_rank_resumed_with_unapplied_results_arrives_at_the_first_synchronous_round_only_after_they_are_handed():
+    """The switch's first rule after a resume: a checkpoint saved after round 2 with rank 0's result of round 3
+    unapplied (every rank resumes with it, its weights are rank 0's); the finish begins at round 5. Rank 0's first
+    micro-batch lands in round 4 (asynchronous) and is handed round 3; it then waits in a callers' collective (a
+    step save that round 3 queued) for rank 1. Rank 1's first micro-batch, slow, lands in round 5: it has been
+    handed nothing since the checkpoint, so it holds (as a rank not handed round 3 would in the fit that saved it),
+    is handed round 3, joins the collective, and arrives with its next micro-batch. Before, its restored result did
+    not count as unhanded: it arrived, and waited in round 5 for rank 0, which waited for it."""
+    world = 2
+    config = DelayedConfig(target_samples=1, sync_from=5, timeout=timedelta(seconds=10), name="resumebehind")
+    save = threading.Barrier(world)
+
+    def fn(rank: int, store: dist.Store) -> dict:
+        engine = DelayedAllreduce(config, store=store, rank=rank, world_size=world, like=[torch.zeros(2)])
+        state = engine.state_dict()
+        flats = [f.detach().clone() for f in engine.layout.data(engine.layout.flatten([torch.full((2,), 3.0)]))]
+        state.update(step=4, global_samples=8, unapplied=[{"round": 3, "flats": flats, "counts": [1, 1],
+                                                            "divisor": 2.0}])
+        engine.load_state_dict(state)
+        engine.start()
+        handed, holding = [], []
+        try:
+            if rank == 1:
+                engine.drain(4)  # a slow first micro-batch: round 4 completes with rank 0's alone
+            handed.append(record(engine.deposit([torch.full((2,), float(rank + 1))], samples=1)))
+            holding.append(engine.holding)
+            save.wait(timeout=5)  # the step save round 3 queued: collective
+            handed.append(record(engine.deposit([torch.full((2,), float(rank + 1))], samples=1)))
+            return {"handed": [[r for r, _, _ in h] for h in handed], "holding": holding,
+                    "tensors": {r: t for h in handed for r, t, _ in h}}
+        finally:
+            engine.close()
+
+    records = run_threads(world, fn, timeout=60)
+    assert records[0]["handed"] == [[3], [4, 5]] and records[0]["holding"] == [False]
+    assert records[1]["handed"] == [[3], [4, 5]] and records[1]["holding"] == [True]
+    tensors = [r["tensors"] for r in records]
+    assert all(torch.equal(tensors[0][r], tensors[1][r]) for r in (3, 4, 5))  # bit-identical on both ranks
+    assert torch.equal(tensors[0][3], torch.full((2,), 3.0))  # the restored result, handed once
+    assert torch.equal(tensors[0][4], torch.full((2,), 1.0))  # rank 0's first micro-batch alone
+    assert torch.equal(tensors[0][5], torch.full((2,), 5.0 / 3.0))  # rank 0's second, rank 1's two: (1 + 2 + 2) / 3

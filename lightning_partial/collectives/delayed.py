@@ -559,6 +559,10 @@ class DelayedAllreduce(PartialAllreduce):
                 for x in self._published(self._handed) + self._restored
             ]
             state["global_samples"] = self._global_samples
+            # Where the epochs ended and the finish began: a resumed fit decides its epoch-end arrivals
+            # (abs_sgd) and its first fresh round from them as the fit that saved it did.
+            state["epoch_end_rounds"] = dict(self._epoch_end_rounds)
+            state["sync_from"] = self._sync_from
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -571,6 +575,7 @@ class DelayedAllreduce(PartialAllreduce):
         ]
         self._global_samples = int(state.get("global_samples", 0))
         self._handed = self._completed = self.step - 1
+        self._epoch_end_rounds = {int(e): int(r) for e, r in state.get("epoch_end_rounds", {}).items()}
         restored = []
         for item in sorted(state.get("unapplied", []), key=lambda u: u["round"]):
             flats = self.layout.from_data(item["flats"])
@@ -592,8 +597,12 @@ class DelayedAllreduce(PartialAllreduce):
         threshold = self.delayed.sync_from_samples
         if threshold is not None and self._global_samples >= threshold:
             # Saved in the finish (or right at its start): it goes on from the next round. The
-            # threshold, not a saved round, decides: a resumed fit may end later or earlier.
-            self._sync_from = self.step if self._sync_from is None else min(self._sync_from, self.step)
+            # threshold, not a saved round, decides: a resumed fit may end later or earlier. Where the
+            # saved fit's finish had begun already, it began there: its rounds since were lock-step, so the
+            # resumed round is fresh as it would have been (a checkpoint saves nothing unapplied then).
+            saved = state.get("sync_from")
+            began = saved if isinstance(saved, int) and 0 < saved < self.step else self.step
+            self._sync_from = began if self._sync_from is None else min(self._sync_from, began)
 
     def _divisor(self, total: int) -> float:
         """The round's samples, or ``reference_samples`` when set (communication thread; restore)."""
@@ -637,8 +646,11 @@ class DelayedAllreduce(PartialAllreduce):
         micro-batch joins its next arrival, made after the caller has applied those rounds: every
         rank's caller then arrives at the first synchronous round having been handed the same
         rounds (all before ``q - 1``). Never once a stop ended the rounds (nothing waits then).
+        A resumed fit's results restored from its checkpoint are not handed until a deposit hands them: on
+        every rank the rounds handed are those before the first of them, as in the fit that saved it.
         """
-        return self._handed < q - 2 and self._stop_round is None
+        handed = self._restored[0].round_index - 1 if self._restored else self._handed
+        return handed < q - 2 and self._stop_round is None
 
     def _epoch_ended(self, epoch: Optional[int]) -> bool:
         """Under ``self._cond``: the completed rounds have ended epoch ``epoch`` (``None``: no epoch given)."""
@@ -762,9 +774,11 @@ class DelayedAllreduce(PartialAllreduce):
                 if d.epoch_samples:
                     for epoch in range(epochs, self._global_samples // d.epoch_samples):
                         self._epoch_end_rounds[epoch] = r
-                if (self._sync_from is None and d.sync_from_samples is not None
-                        and self._global_samples >= d.sync_from_samples):
-                    self._sync_from = r + 1  # every rank decides it from the same headers
+                if (d.sync_from_samples is not None and self._global_samples >= d.sync_from_samples
+                        and (self._sync_from is None or self._sync_from > r + 1)):
+                    # Every rank decides it from the same headers; sync_from and sync_from_samples both
+                    # given: whichever comes first (only ever moved earlier, to the round not yet taken).
+                    self._sync_from = r + 1
                 if (d.max_rounds is not None and r + 1 >= d.max_rounds) or (
                     d.max_epochs is not None
                     and d.epoch_samples is not None
