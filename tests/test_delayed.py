@@ -656,3 +656,19 @@ def test_a_rank_resumed_with_unapplied_results_arrives_at_the_first_synchronous_
     assert torch.equal(tensors[0][3], torch.full((2,), 3.0))  # the restored result, handed once
     assert torch.equal(tensors[0][4], torch.full((2,), 1.0))  # rank 0's first micro-batch alone
     assert torch.equal(tensors[0][5], torch.full((2,), 5.0 / 3.0))  # rank 0's second, rank 1's two: (1 + 2 + 2) / 3
+
+
+def test_a_synchronous_engine_resumed_from_a_delayed_fit_decides_its_first_fresh_round_from_the_shared_state():
+    """``sync_from=0`` (abs_sgd's ``delay=0``) resumed from a checkpoint: from a delayed fit (no finish begun) its
+    first round holds gradients computed before the restored results are applied (fresh from the next); from a
+    synchronous fit every round is fresh. Decided from the state every rank shares (where the saved fit's finish
+    began), not from this rank's own send buffer, which a new world size may leave empty on some ranks."""
+    delayed = DelayedConfig(target_samples=1, timeout=timedelta(seconds=20), name="wasdelayed")
+    synchronous = DelayedConfig(target_samples=1, sync_from=0, timeout=timedelta(seconds=20), name="wassync")
+    _, state = one_rank_fit(delayed, 6)
+    empty = {**state, "pending": [], "pending_steps": [], "pending_samples": [], "pending_first": [],
+             "unapplied": []}  # what a rank dealt nothing holds
+    for loaded in (state, empty):
+        assert restored(synchronous, loaded).fresh_from == state["step"] + 1
+    _, state = one_rank_fit(synchronous, 6)
+    assert state["sync_from"] == 0 and restored(synchronous, state).fresh_from == 0

@@ -590,7 +590,7 @@ class DelayedAllreduce(PartialAllreduce):
             restored.append(RoundResult(round_index=int(item["round"]), tensors=self.layout.unflatten(flats),
                                         stats=stats, buffers=flats, layout=self.layout))
         self._restored = restored
-        if self._sync_from == 0 and (restored or any(d.samples for d in self._pending)):
+        if self._sync_from == 0 and self._resumes_a_delayed_fit(state, restored):
             # Synchronous throughout, resumed with what a delayed fit left pending or unapplied: the
             # resumed round holds gradients computed before those results are applied, fresh from the next.
             self._sync_from = self.step
@@ -603,6 +603,18 @@ class DelayedAllreduce(PartialAllreduce):
             saved = state.get("sync_from")
             began = saved if isinstance(saved, int) and 0 < saved < self.step else self.step
             self._sync_from = began if self._sync_from is None else min(self._sync_from, began)
+
+    def _resumes_a_delayed_fit(self, state: dict[str, Any], restored: list[RoundResult]) -> bool:
+        """Whether ``state`` comes from a fit whose latest rounds were delayed (not lock-step): decided from what
+        every rank's state says alike (where that fit's finish began), so that every rank decides the same
+        however a new world size dealt out the send buffers. Such a fit's first resumed round is taken as one
+        round late even where no rank held anything (rare: rank 0's last result is almost always still to be
+        applied at a save): one round's staleness rule, the same on every rank. A checkpoint from before that
+        was saved: from this rank's own restored results and send buffer, as then."""
+        if "sync_from" not in state:
+            return bool(restored or any(d.samples for d in self._deposits()))
+        began = state["sync_from"]
+        return began is None or began >= self.step
 
     def _divisor(self, total: int) -> float:
         """The round's samples, or ``reference_samples`` when set (communication thread; restore)."""
