@@ -672,3 +672,45 @@ def test_a_synchronous_engine_resumed_from_a_delayed_fit_decides_its_first_fresh
         assert restored(synchronous, loaded).fresh_from == state["step"] + 1
     _, state = one_rank_fit(synchronous, 6)
     assert state["sync_from"] == 0 and restored(synchronous, state).fresh_from == 0
+
+
+def test_a_checkpoint_saved_after_the_final_round_resumes_with_nothing_but_the_finish_and_its_clock_decisions():
+    """Saved after the final round (``max_rounds=6``: round 5), a resumed engine with the same limits knows round 5
+    as final: a micro-batch deposited then starts no round 6 and joins the finish's round, as in the fit that saved
+    it; with a later limit the fit goes on. An unapplied result keeps what the strategy acts on as it is applied
+    (rank 0's clock decisions, the round's busy times, whether it was synchronous)."""
+    config = DelayedConfig(target_samples=1, max_rounds=6, timeout=timedelta(seconds=20), name="afterfinal")
+    store = dist.HashStore()
+    engine = DelayedAllreduce(config, store=store, rank=0, world_size=1, like=[torch.zeros(2)]).start()
+    try:
+        while engine.final_round is None:
+            if engine.deposit_round == 4:
+                engine.announce(0b101)  # rides in the next round's header: round 5, unapplied at the save
+            engine.deposit([torch.ones(2)], samples=1)
+        engine.pause()
+        engine.drain(engine.known_round())
+        state = engine.state_dict()
+    finally:
+        engine.close()
+    assert engine.final_round == 5 and state["step"] == 6
+    assert restored(DelayedConfig(target_samples=1, max_rounds=10, timeout=timedelta(seconds=20),
+                                  name="later"), state).final_round is None
+    resumed = restored(config, state)
+    assert resumed.final_round == 5
+    resumed.start()
+    try:
+        handed = resumed.deposit([torch.full((2,), 2.0)], samples=1)
+        assert [r.round_index for r in handed] == [5] and resumed.deposit_round == 6  # round 6 is not started
+        resumed.pause()
+        assert resumed.known_round() == 5
+        resumed.drain(5)
+        results = resumed.finish(5)
+    finally:
+        resumed.close()
+    held = sum(state["pending_samples"])  # deposited after round 5 was taken, before it completed: saved
+    assert [r.round_index for r in results][-1] == 6 and results[-1].stats.counts == (held + 1,)
+    assert torch.equal(results[-1].tensors[0], torch.full((2,), (held + 2.0) / (held + 1)))
+    # The unapplied result a save keeps carries the announcement and the round's facts, as it came.
+    assert [x["round"] for x in state["unapplied"]] == [5] and state["unapplied"][0]["announced"] == 0b101
+    assert handed[0].stats.announced == 0b101 and handed[0].stats.synchronous is False
+    assert len(handed[0].stats.busy) == 1

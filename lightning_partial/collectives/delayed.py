@@ -555,7 +555,10 @@ class DelayedAllreduce(PartialAllreduce):
             state["pending_first"] = [d.first_step for d in deposits]
             state["unapplied"] = [
                 {"round": x.round_index, "flats": [f.detach().clone().cpu() for f in self.layout.data(x.buffers)],
-                 "counts": list(x.stats.counts), "divisor": x.stats.divisor}
+                 "counts": list(x.stats.counts), "divisor": x.stats.divisor,
+                 # What the strategy and the callbacks act on as the round is applied (rank 0's clock
+                 # decisions: time-based saves; AdaptiveBatchSize's measurements): the same on every rank.
+                 "announced": x.stats.announced, "synchronous": x.stats.synchronous, "busy": list(x.stats.busy)}
                 for x in self._published(self._handed) + self._restored
             ]
             state["global_samples"] = self._global_samples
@@ -576,12 +579,19 @@ class DelayedAllreduce(PartialAllreduce):
         self._global_samples = int(state.get("global_samples", 0))
         self._handed = self._completed = self.step - 1
         self._epoch_end_rounds = {int(e): int(r) for e, r in state.get("epoch_end_rounds", {}).items()}
+        if self.step > 0 and self._ends_fit(self.step - 1):
+            # Saved after the final round (a save at the last batch's start, or at the end of fit): by this
+            # fit's own limits it is still the final one, and no round follows it but the finish's (a resumed
+            # fit with a later limit goes on). A finish request (a time limit) is the new fit's to make again.
+            self._final_round = self.step - 1
         restored = []
         for item in sorted(state.get("unapplied", []), key=lambda u: u["round"]):
             flats = self.layout.from_data(item["flats"])
             counts = tuple(int(c) for c in item["counts"])
             stats = RoundStats(
-                round_index=int(item["round"]), activator=-1, initiator=None, synchronous=False, flush=False,
+                round_index=int(item["round"]), activator=-1, initiator=None,
+                synchronous=bool(item.get("synchronous", False)), flush=False, announced=int(item.get("announced", 0)),
+                busy=tuple(float(b) for b in item.get("busy", ())),
                 fresh=(), counts=counts, staleness=tuple(None for _ in counts),
                 oldest_staleness=tuple(None for _ in counts), progress=(), dropped=(),
                 # The saved result was divided when it was computed: its divisor is recorded, not recomputed.
@@ -603,6 +613,14 @@ class DelayedAllreduce(PartialAllreduce):
             saved = state.get("sync_from")
             began = saved if isinstance(saved, int) and 0 < saved < self.step else self.step
             self._sync_from = began if self._sync_from is None else min(self._sync_from, began)
+
+    def _ends_fit(self, r: int) -> bool:
+        """Under ``self._cond`` (or before start): round ``r``, with the global samples counted to its end, is the
+        fit's last by ``max_rounds`` or ``max_epochs`` (a finish request aside)."""
+        d = self.delayed
+        return (d.max_rounds is not None and r + 1 >= d.max_rounds) or (
+            d.max_epochs is not None and d.epoch_samples is not None
+            and self._global_samples >= d.max_epochs * d.epoch_samples)
 
     def _resumes_a_delayed_fit(self, state: dict[str, Any], restored: list[RoundResult]) -> bool:
         """Whether ``state`` comes from a fit whose latest rounds were delayed (not lock-step): decided from what
@@ -791,11 +809,7 @@ class DelayedAllreduce(PartialAllreduce):
                     # Every rank decides it from the same headers; sync_from and sync_from_samples both
                     # given: whichever comes first (only ever moved earlier, to the round not yet taken).
                     self._sync_from = r + 1
-                if (d.max_rounds is not None and r + 1 >= d.max_rounds) or (
-                    d.max_epochs is not None
-                    and d.epoch_samples is not None
-                    and self._global_samples >= d.max_epochs * d.epoch_samples
-                ) or result.stats.finish:
+                if self._ends_fit(r) or result.stats.finish:
                     self._final_round = r
                 activate = self._may_activate(r + 1)
                 if activate:
