@@ -714,3 +714,29 @@ def test_a_checkpoint_saved_after_the_final_round_resumes_with_nothing_but_the_f
     assert [x["round"] for x in state["unapplied"]] == [5] and state["unapplied"][0]["announced"] == 0b101
     assert handed[0].stats.announced == 0b101 and handed[0].stats.synchronous is False
     assert len(handed[0].stats.busy) == 1
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_checkpoint_resumed_on_another_world_size_keeps_the_rounds_decisions_on_every_rank(world_size):
+    """abs_sgd's per-rank engine states from a 2-rank delayed fit (old rank 0 holding a micro-batch, old rank 1
+    nothing), resumed on 2 and on 4 ranks into a synchronous engine (``delay=0``): every rank gets where the epochs
+    ended and where the finish began, and so decides the same first fresh round, whatever send buffer it was dealt
+    (on 4 ranks, ranks 1-3 got none; they decided from their own buffer and disagreed with rank 0)."""
+    from types import SimpleNamespace
+
+    from lightning_partial.strategies.abs_sgd import ABSSGDStrategy
+
+    _, state = one_rank_fit(DelayedConfig(target_samples=1, epoch_samples=3, timeout=timedelta(seconds=20),
+                                          name="wasdelayed2"), 6)
+    old0 = {**state, "unapplied": [], "pending": [[torch.ones(2)]], "pending_steps": [state["step"]],
+            "pending_samples": [1], "pending_first": [state["step"]]}
+    old1 = {**state, "unapplied": [], "pending": [], "pending_steps": [], "pending_samples": [], "pending_first": []}
+    synchronous = DelayedConfig(target_samples=1, sync_from=0, epoch_samples=3, timeout=timedelta(seconds=20),
+                                name="nowsync")
+    decided = []
+    for rank in range(world_size):
+        strategy = SimpleNamespace(world_size=world_size, global_rank=rank)
+        loaded = restored(synchronous, ABSSGDStrategy._engine_state(strategy, [old0, old1]))
+        decided.append((loaded.fresh_from, loaded.progress().epoch_end_rounds))
+    assert decided == [(state["step"] + 1, state["epoch_end_rounds"])] * world_size
+    assert len(state["epoch_end_rounds"]) == 2  # the epochs ended at rounds the state holds

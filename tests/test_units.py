@@ -542,3 +542,27 @@ def test_a_failed_collective_of_a_resumed_fit_names_its_checkpoints_last_round_b
         staleness=(0, 0), oldest_staleness=(0, 0), progress=(19, 19), dropped=(0, 0), contributions=2, divisor=2,
     )
     assert strategy._last_round() == 18
+
+
+def test_adaptive_batch_size_ignores_results_restored_from_a_checkpoint_of_another_world_size():
+    """A resumed fit on 4 ranks first applies results restored from a 2-rank checkpoint (their counts are the old
+    ranks'): AdaptiveBatchSize measures only this world's rounds, where it raised IndexError."""
+    from types import SimpleNamespace
+
+    from lightning_partial.callbacks.adaptive_batch_size import AdaptiveBatchSize
+    from lightning_partial.collectives import RoundStats
+
+    def stats(r: int, world: int) -> RoundStats:
+        return RoundStats(round_index=r, activator=-1, initiator=None, synchronous=True, flush=False, fresh=(),
+                          counts=(4,) * world, staleness=(None,) * world, oldest_staleness=(None,) * world,
+                          progress=(), dropped=(), contributions=4 * world, divisor=4.0 * world, busy=(1.0,) * world)
+
+    for window in (4, 2):  # a window that would mix the old results with new ones, and one of old ones only
+        old = [stats(10 - window, 2), stats(11 - window, 2)] if window == 2 else [stats(8, 2), stats(9, 2)]
+        callback = AdaptiveBatchSize(window=window)
+        callback._strategy = SimpleNamespace(loader_batch_sizes=(8, 8, 8, 8), sampler=SimpleNamespace(batch_size=8),
+                                             sync_round_samples=32, micro_batches_per_round=1)
+        callback._rank = 3
+        for s in [*old, *(stats(r, 4) for r in range(10, 18))]:
+            callback._on_round(0, s)
+        assert callback.sizes is not None and len(callback.sizes) == 4

@@ -140,6 +140,8 @@ class AdaptiveBatchSize(Callback):
         """Strategy's thread (the training loop), for every round applied, in order: the same on every rank."""
         if index != 0 or stats.flush or self.bases is None:
             return
+        if len(stats.counts) != len(self.bases):
+            return  # a result restored from a checkpoint of another world size: its counts are the old ranks'
         self._counts.append((stats.counts, stats.busy, stats.synchronous))
         if len(self._counts) < self.window or (stats.round_index + 1) % self.window:
             return

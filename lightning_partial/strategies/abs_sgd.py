@@ -573,7 +573,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
 
     @override
     def _engine_state(self, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-        """Own pending sums (old rank ``j``'s go to ``j % P``); rank 0's unapplied results and samples.
+        """Own pending sums (old rank ``j``'s go to ``j % P``); rank 0's unapplied results, samples and the rounds'
+        decisions (where the epochs ended, where the finish began).
 
         The restored weights are rank 0's, so the results rank 0 had not applied
         are those every rank must apply.
@@ -586,8 +587,13 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             mine = [s for j, s in enumerate(per_rank) if j % self.world_size == self.global_rank]
             base["pending_samples"] = [n for s in mine for n in s.get("pending_samples", [])]
             base["pending_first"] = [n for s in mine for n in s.get("pending_first", [])]
+        # What the rounds decided, the same in every rank's state: taken from rank 0's on any world size (the
+        # rounds that ended epochs, where the finish began: docs/algorithms.md, abs_sgd's checkpoints).
         base["unapplied"] = per_rank[0].get("unapplied", [])
         base["global_samples"] = per_rank[0].get("global_samples", 0)
+        for key in ("sync_from", "epoch_end_rounds"):
+            if key in per_rank[0]:
+                base[key] = per_rank[0][key]
         return base
 
     @override
