@@ -169,6 +169,19 @@ def test_sigterm_with_overlap_stops_every_rank_at_the_same_step(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_sigterm_with_overlap_and_a_save_every_step_stops_every_rank_at_the_same_step(tmp_path):
+    """overlap=True with a checkpoint every step: a save takes the round in flight (InFlight.settle), the stop
+    round among them, and that engine stops there. The next step applies it without submitting another round
+    (which raised EngineClosedError on every rank) and every rank stops at the same step, replicas identical."""
+    out = tmp_path / "run"
+    proc = forkrun.run(fit_command(out, "--steps", "12", "--sigterm-at", "5:1", "--checkpoint-every", "1",
+                                   "--strategy-kw", '{"overlap": true}', launch="fork"), env=FIT_ENV, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_stopped_alike(out, "fork")
+    assert_identical(out)
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy, kw", [("eager_sgd", {"overlap": False}), ("eager_sgd", {"overlap": True}),
                                           ("ds_sync", {"max_staleness": 1}), ("wagma_sgd", {"global_every": 10})],
                          ids=["rounds", "overlap", "ds_sync", "wagma_sgd"])

@@ -241,6 +241,11 @@ class PartialAllreduce(RoundRunner):
         return self._step
 
     @property
+    def stopped(self) -> bool:
+        """A round this rank collected carried a stop request: no later round runs (every rank stops there)."""
+        return self._state == "stopped"
+
+    @property
     def round_reached(self) -> int:
         """The latest round this rank has arrived at or taken (what a heartbeat reports)."""
         return max(self._step, self._snapshotted + 1)

@@ -393,11 +393,18 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             # used, on every rank alike (the header says so to all), without reading the sums.
             self._apply_round(index, result, known_used=all(present) and self.global_rank in result.stats.fresh)
             return
-        # Submitted before the earlier round is collected: this round's collectives may start
-        # (another rank's arrival may activate it) while this rank waits for, and applies, that one.
-        round_index = engine.submit([*grads, *extra])
-        landed = self._in_flight.take(index, self.global_rank)
-        self._in_flight.submitted(index, engine, round_index, all_present=all(present))
+        if engine.stopped:
+            # A checkpoint's save took the earlier round (InFlight.settle) and it carried a stop: no round
+            # follows it on any rank. That round is applied now, as it would have been, and the stop recorded;
+            # this step's gradient, which would have waited in the send buffer of a round that never runs, is
+            # dropped (a stop applies nothing after its round: docs/algorithms.md).
+            landed = self._in_flight.take(index, self.global_rank)
+        else:
+            # Submitted before the earlier round is collected: this round's collectives may start
+            # (another rank's arrival may activate it) while this rank waits for, and applies, that one.
+            round_index = engine.submit([*grads, *extra])
+            landed = self._in_flight.take(index, self.global_rank)
+            self._in_flight.submitted(index, engine, round_index, all_present=all(present))
         # The step's own gradient is in the engine's send buffer (a copy): p.grad takes the landed round's.
         if landed is None:
             for p in params:
