@@ -144,6 +144,42 @@ def test_resume_from_a_mid_run_checkpoint_loses_no_carried_gradient(tmp_path):
 OVERLAP = json.dumps({"overlap": True})
 
 
+def test_the_finish_of_a_fit_with_two_optimizers_is_the_last_rounds_of_each_engine(tmp_path):
+    """Manual optimization with two optimizers, ``max_steps=12``: Lightning's ``global_step`` counts both
+    optimizers' steps, so each engine runs 6 rounds; ``final_sync=0.25`` makes the last 2 of each synchronous
+    (placed against 12 rounds, the finish began at round 9 and never ran). Every gradient applied exactly once."""
+    records = run(tmp_path, "--strategy", "eager_sgd", "--manual", "--steps", "12",
+                  "--strategy-kw", json.dumps({"final_sync": 0.25}))
+    assert_identical_replicas(records)
+    for engine in (0, 1):
+        rounds = [(r, sync) for i, r, sync in records[0]["rounds"] if i == engine]
+        assert [r for r, _ in rounds] == list(range(6)), rounds
+        assert [r for r, sync in rounds if sync] == [4, 5], rounds
+
+
+@pytest.mark.parametrize("kw", [{"final_sync": 0.0}, {"overlap": True}], ids=["carried", "overlap"])
+def test_a_fit_resumed_from_its_last_steps_checkpoint_applies_what_the_checkpoint_held(tmp_path, kw):
+    """A checkpoint saved at the fit's last step (``max_steps``) holds what the end of fit applies after it: the
+    slow rank's carried gradients (``final_sync=0``: the last rounds are solo), or the last round's result
+    (``overlap``). Resumed, Lightning's loop has nothing to run and calls no training hook; the strategy still
+    ends the fit at teardown, so nothing is lost: the closed form over what the first fit computed, bit for bit,
+    and the first fit's own weights (before, the resumed weights lacked it)."""
+    first = run(tmp_path / "first", "--strategy", "eager_sgd", "--steps", "12", "--save-at", "12",
+                "--strategy-kw", json.dumps(kw))
+    checkpoint = torch.load(tmp_path / "first" / "mid.ckpt", weights_only=False)
+    from lightning_partial.strategies.overlap import IN_FLIGHT_KEY
+
+    held = sum(len(s["pending"]) for s in checkpoint[CHECKPOINT_KEY]["engines"][0])
+    assert held or IN_FLIGHT_KEY in checkpoint, "nothing was pending at the save: the test proves nothing"
+    second = run(tmp_path / "second", "--strategy", "eager_sgd", "--steps", "12", "--resume",
+                 str(tmp_path / "first" / "mid.ckpt"), "--strategy-kw", json.dumps(kw))
+    assert all(not rec["seen"] for rec in second)  # no batch ran
+    assert_identical_replicas(second)
+    want = expected(first[0]["w0"]["w"], computed(first), lr=first[0]["lr"], world=4)
+    assert first[0]["final"]["w"] == want
+    assert second[0]["final"]["w"] == want
+
+
 def test_overlap_applies_every_gradient_exactly_once(tmp_path):
     """overlap=True: each step applies the previous step's round (the first step nothing, the last round at the
     end of fit); with accumulation, every micro-batch's gradient still lands exactly once."""

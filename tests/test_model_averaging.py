@@ -238,8 +238,37 @@ def test_resume_across_families_is_refused_unless_the_engine_state_is_dropped(tm
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     record = json.loads((second / "callbacks0.json").read_text())
-    assert [g["round_index"] for g in record["groups"]] == list(range(4))  # 4 more steps, rounds from 0
+    # 4 more steps; the rounds numbered on from the resumed step, as with engine state (the finish and the
+    # schedule count in them).
+    assert [g["round_index"] for g in record["groups"]] == list(range(4, 8))
     assert_identical(second)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("resumed_from", ["ddp", "4 ranks"])
+def test_a_resumed_fit_runs_its_synchronous_finish_as_the_last_rounds_it_runs(tmp_path, resumed_from):
+    """``ds_sync`` resumed (a) from a DDP checkpoint at step 40 of 64, without engine state: its rounds go on from
+    40 and the finish (``final_sync=0.05``: 4 of 64 rounds) is 60-63, where its first round was 0 and the finish
+    was never reached; (b) on 2 ranks from a 4-rank checkpoint at the end of epoch 0 (2 epochs, 32 batches an
+    epoch on 4 ranks, 64 on 2): the rounds go on from 32 for 64 more, and the finish is their last 7 (the 5% of
+    the 128 a fit on 2 ranks runs), where it fell after the fit's end."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    if resumed_from == "ddp":
+        run_fit(first, "ddp", "--max-epochs", "2", "--save-at", "40")
+        records = run_fit(second, "ds_sync", "--max-epochs", "2", "--rotation", "1000", "--resume",
+                          str(first / "mid.ckpt"))
+        want_rounds, want_finish = list(range(40, 64)), [60, 61, 62, 63]
+    else:
+        run_fit(first, "ds_sync", "--max-epochs", "2", "--save-epoch", "0")
+        proc = forkrun.run(fit_command(second, "--strategy", "ds_sync", "--devices", "2", "--max-epochs", "2",
+                                       "--rotation", "1000", "--resume", str(first / "mid.ckpt"), launch="fork"),
+                           env=FIT_ENV, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        records = [json.loads((second / f"callbacks{r}.json").read_text()) for r in range(2)]
+        want_rounds, want_finish = list(range(32, 96)), list(range(89, 96))
+    for record in records:
+        assert [g["round_index"] for g in record["groups"]] == want_rounds
+        assert [g["round_index"] for g in record["groups"] if g["group_id"] == -1] == want_finish
 
 
 def endless_fit(out, strategy: str, launch: str = "popen") -> forkrun.Forked | subprocess.Popen:

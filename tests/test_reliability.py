@@ -1,7 +1,8 @@
 """Reliability: nothing left behind across fits, bounded bookkeeping, schedules every rank can keep.
 
 * Two fits in one process: the engines' store server closes at the end of each
-  fit and no engine thread survives it (``tests/scripts/two_fits.py``).
+  fit and no engine thread survives it (``tests/scripts/two_fits.py``); a stop
+  ends its own fit only (``tests/scripts/refit_after_stop.py``).
 * Callbacks that record per round keep a bounded history.
 * ``abs_sgd`` refuses validation every N batches (each rank runs its own number).
 """
@@ -37,6 +38,21 @@ def test_two_fits_in_one_process_leave_no_store_or_thread_behind(strategy: str) 
         assert r["store_open"] is False, f"fit {r['fit']}: the store on port {r['port']} still accepts connections"
         assert r["threads"] == [], f"fit {r['fit']}: threads left behind: {r['threads']}"
     assert rank0[0]["port"] != rank0[1]["port"]
+
+
+@pytest.mark.parametrize("strategy", ["eager_sgd", "ds_sync"])
+def test_a_stop_ends_its_own_fit_only(strategy: str) -> None:
+    """SIGTERM stops every rank of a fit at the same step; a second fit of the same Trainer then trains (as
+    Lightning resets its own flag every run), where the strategy's stop flag, never reset, stopped it at its
+    first batch (``tests/scripts/refit_after_stop.py``)."""
+    proc = subprocess.run([sys.executable, "-m", "tests.scripts.refit_after_stop", "--strategy", strategy],
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"}, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    records = [json.loads(line[len("RECORD "):]) for line in proc.stdout.splitlines() if line.startswith("RECORD ")]
+    assert sorted(r["rank"] for r in records) == [0, 1], proc.stdout[-3000:]
+    assert len({r["first"] for r in records}) == 1 and records[0]["first"] is not None, records
+    assert all(r["second"] == 32 for r in records), records  # its one more epoch: 256 samples, 2 ranks of 8
 
 
 # ------------------------------------------------------- abs_sgd: batch-count validation

@@ -240,6 +240,16 @@ class PartialAllreduce(RoundRunner):
         """The step (= round) of the next :meth:`arrive`."""
         return self._step
 
+    def begin_at(self, round_index: int) -> None:
+        """Before :meth:`start`, instead of :meth:`load_state_dict`: the first round is ``round_index``, nothing
+        pending (a fit resumed without engine state at that step: its rounds keep the steps' numbering, which the
+        synchronous finish, ``sync_every`` and the group schedules count in). Every rank gives the same index."""
+        if self._state != "new":
+            raise RuntimeError(f"rank {self.rank}: begin_at() must come before start()")
+        if isinstance(round_index, bool) or not isinstance(round_index, int) or round_index < 0:
+            raise ValueError(f"rank {self.rank}: begin_at() takes a round index >= 0, got {round_index!r}")
+        self._step = round_index
+
     @property
     def stopped(self) -> bool:
         """A round this rank collected carried a stop request: no later round runs (every rank stops there)."""

@@ -887,7 +887,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         super().on_train_end()
 
     @override
-    def teardown(self) -> None:
+    def _release_fit(self) -> None:
         for cb in self._checkpoints:
             _compat.restore_checkpoint_triggers(cb)  # the user's callback as it came
         self._checkpoints = []
@@ -898,7 +898,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             sampler, size = self._user_sampler
             sampler.batch_size = size
             self._user_sampler = None
-        super().teardown()
+        super()._release_fit()
 
     @override
     def save_checkpoint(

@@ -42,7 +42,8 @@ before any batch runs, by :func:`resume_entry`):
 * **A file saved while the ranks were at different rounds** (e.g. from a signal
   handler): refused (its pending gradients are not a consistent cut).
 * **No engine state** (a file written by ``ddp`` or another Lightning strategy):
-  the engines start afresh at round 0 (nothing was pending).
+  the engines start afresh, nothing pending, their rounds numbered on from the
+  fit's step (``eager_sgd``, ``wagma_sgd``, ``ds_sync``: a round per step) or from 0 (``abs_sgd``).
 
 Writing the file (rank 0, :func:`write_checkpoint`): with the default
 ``TorchCheckpointIO`` and a local path, the checkpoint is written to a temporary
@@ -236,7 +237,7 @@ def resume_entry(
     if drop_foreign:
         log.warning(
             "the checkpoint's engine state was written by %r, which exchanges %s; %r exchanges %s: it is dropped "
-            "as asked and the engines start afresh at round 0 (%s dropped)",
+            "as asked and the engines start afresh (%s dropped)",
             entry.get("strategy"), saved, strategy, family, what,
         )
         return None
@@ -293,7 +294,7 @@ def drop_engine_state(src: _PATH, dst: _PATH) -> int:
 
     The explicit way to resume a checkpoint under a strategy of another family
     (see :func:`resume_entry`): the weights, optimizer and loop state are kept, the
-    engines start afresh at round 0 and the pending gradients are lost (with
+    engines start afresh (their rounds numbered on from the fit's step) and the pending gradients are lost (with
     ``eager_sgd``'s ``overlap``, the round results saved unapplied too). ``src`` is
     not modified; ``dst`` is written atomically (:func:`save_atomically`).
     """

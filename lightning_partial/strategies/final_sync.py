@@ -15,8 +15,9 @@ measured better than the current weights). The measurement that chose the defaul
 is in ``docs/staleness.md#the-synchronous-finish``.
 
 The rounds are counted against ``trainer.estimated_stepping_batches`` (the
-fit's optimizer steps, from its first step, so a resumed fit finishes at the
-same rounds); every rank computes the same first synchronous round, the
+fit's optimizer steps), from each engine's first round by the rounds the fit
+still runs (``ConfiguredStrategy._finish_from``), so a resumed fit finishes at
+the same rounds; every rank computes the same first synchronous round, the
 engine's ``PartialAllreduceConfig.sync_from``. A fit whose length Lightning
 cannot estimate (``max_time`` only, or an iterable data set without a length)
 runs without it, with a warning. ``abs_sgd``'s rounds differ in size, so it

@@ -249,10 +249,10 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         return settings
 
     @override
-    def teardown(self) -> None:
+    def _release_fit(self) -> None:
         self._scaling = None  # its copy of the weights is not needed after the fit
         self._gradient_finish = None  # holds the collective group
-        super().teardown()
+        super()._release_fit()
 
     def __getstate__(self) -> dict[str, Any]:
         # The finish's collectives hold the collective group, which cannot be pickled; set-up makes them again.

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from abc import abstractmethod
 from dataclasses import replace
 from datetime import timedelta
@@ -51,7 +52,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
@@ -172,6 +173,10 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         self._previous_sigterm_handler: Any = None
         self._resume_state: Optional[dict[str, Any]] = None  # from load_checkpoint, consumed at start
         self._final_states: dict[int, dict[str, Any]] = {}  # engine states after the final flush
+        # While the engines are built (_start_engines): the first round of the one being built, and the world
+        # size of the checkpoint the fit resumes (its own when none).
+        self._first_round = 0
+        self._saved_world_size = 0
         # The latest round's statistics per optimizer index (read by StalenessTracker).
         self.round_stats: dict[int, RoundStats] = {}
         # Called with (optimizer index, stats) for every round this rank applies, in order
@@ -311,6 +316,10 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         training state, because an engine's state must be loaded before it starts.
         """
         self.round_stats.clear()  # this fit's rounds only (what a failed collective names, what callbacks read)
+        # Nothing of an earlier fit on this trainer: its stop (Lightning resets its own flag every run), and its
+        # final engine states (a checkpoint after this fit has this fit's).
+        self._stopped = False
+        self._final_states = {}
         self._store = create_store(timeout=self._timeout, group=self.collective_group)
         resume = self._resume_state
         self._resume_state = None
@@ -318,9 +327,16 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
             if not params:
                 continue
+            state = self._engine_state(resume["engines"][index]) if resume and index in resume["engines"] else None
+            # The engine's first round (read by _round_config while the engine is built): a checkpoint's, or,
+            # resumed without engine state (drop_engine_state, a DDP checkpoint), where the steps say.
+            self._first_round = int(state["step"]) if state is not None else self._first_round_without_state(trainer)
+            self._saved_world_size = int(resume.get("world_size", self.world_size)) if resume else self.world_size
             engine = self._build_engine(index, params, self._store)
-            if resume is not None and index in resume["engines"]:
-                engine.load_state_dict(self._engine_state(resume["engines"][index]))
+            if state is not None:
+                engine.load_state_dict(state)
+            elif self._first_round > 0:
+                engine.begin_at(self._first_round)
             engine.start()
             self._engines[index] = engine
             self._params[index] = params
@@ -363,6 +379,21 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         ).start()
         for engine in engines:
             engine.attach_liveness(self._heartbeat)
+
+    def _optimizer_steps_per_round(self) -> int:
+        """Lightning's ``global_step`` per round of an engine: under manual optimization with several optimizers
+        each optimizer's step counts, and each engine runs a round per step of its own optimizer (all stepping
+        once per batch, as manual optimization's examples do); otherwise 1."""
+        module = self.lightning_module
+        if module is None or module.automatic_optimization:
+            return 1
+        trained = [o for o in self.optimizers if any(p.requires_grad for g in o.param_groups for p in g["params"])]
+        return max(1, len(trained))
+
+    def _first_round_without_state(self, trainer: "pl.Trainer") -> int:
+        """The first round of an engine that starts without a checkpoint's state: 0 (a subclass whose rounds
+        follow the optimizer steps starts a resumed fit's at its step)."""
+        return 0
 
     def _engine_state(self, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         """This rank's engine state from a checkpoint's per-rank states."""
@@ -652,9 +683,34 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
 
     @override
     def teardown(self) -> None:
+        """Every rank: a resumed fit whose loop ran no batch ends first (:meth:`_end_a_fit_without_batches`), then
+        what the fit holds is released (:meth:`_release_fit`, the engines, the store)."""
+        self._end_a_fit_without_batches()
+        self._release_fit()
         self._close_engines()
         self._release_store(agreed=False)
         super().teardown()
+
+    def _release_fit(self) -> None:
+        """Every rank, at teardown, after the end of fit: what a subclass's fit holds beyond the engines."""
+
+    def _end_a_fit_without_batches(self) -> None:
+        """Every rank, main thread, at teardown: a fit resumed from a checkpoint whose training was done already
+        (saved at the last step: Lightning's loop skips every hook, ``on_train_start`` and ``on_train_end``
+        included) still ends as a fit does, so that the checkpoint's pending work is applied as the fit that
+        saved it applied it right after the save: carried gradients (the final flush), an overlapped round's
+        result, the final global average. Only where the fit completed (not after an exception) and its
+        engines never started (the checkpoint's engine state still unused): the same on every rank, which all
+        resumed the same file. A checkpoint saved after fit holds nothing pending: its flush applies nothing.
+        """
+        trainer = self._attached_trainer
+        if (self._resume_state is None or trainer is None or trainer.state.fn != TrainerFn.FITTING
+                or trainer.state.status != TrainerStatus.RUNNING or self._engines):
+            return
+        log.info("rank %d: the resumed checkpoint's training was done; its pending work is applied as at the end "
+                 "of fit", self.global_rank)
+        self.on_train_start()
+        self.on_train_end()
 
     @classmethod
     @override
@@ -685,9 +741,41 @@ class ConfiguredStrategy(PartialStrategy[EngineT]):
         ``sync_from`` places the synchronous finish (``final_sync``) against
         ``trainer.estimated_stepping_batches``: the same round on every rank.
         """
-        sync_from = first_sync_round(self.final_sync, self._trainer.estimated_stepping_batches,
-                                     owner=self.strategy_name, rank=self.global_rank) if self.final_sync else None
-        return replace(self.partial_config, sync_from=sync_from, **changes)
+        return replace(self.partial_config, sync_from=self._finish_from(), **changes)
+
+    def _finish_from(self) -> Optional[int]:
+        """The first round of the synchronous finish of the engine being built (``None``: no finish).
+
+        The last ``final_sync`` of the fit's rounds, as ``trainer.estimated_stepping_batches`` counts them
+        (``max_steps`` counts every optimizer's steps: one round per ``_optimizer_steps_per_round``), placed
+        from the engine's first round (``_first_round``) by the rounds this fit still runs: a new fit starts
+        at round 0, a resumed one at its checkpoint's round, so the finish falls where it would have. On
+        another world size an epoch-bound fit's steps so far count at the old size's rate (an epoch is
+        ``P_old / P`` times as many steps now), so the finish stays the last ``final_sync`` of the steps run.
+        """
+        if not self.final_sync:
+            return None
+        trainer = self._trainer
+        rounds = trainer.estimated_stepping_batches
+        per = self._optimizer_steps_per_round()
+        by_steps = trainer.max_steps != -1 and rounds >= trainer.max_steps
+        if per > 1 and trainer.max_steps != -1:
+            rounds = min(rounds, math.ceil(trainer.max_steps / per))
+        first = first_sync_round(self.final_sync, rounds, owner=self.strategy_name, rank=self.global_rank)
+        if first is None:
+            return None
+        done = trainer.global_step // per
+        if not by_steps and self._saved_world_size != self.world_size:
+            done = round(done * self._saved_world_size / self.world_size)
+        left = max(0, int(rounds) - done)
+        return self._first_round + max(0, left - (int(rounds) - first))
+
+    @override
+    def _first_round_without_state(self, trainer: "pl.Trainer") -> int:
+        """A round per optimizer step: a fit resumed at ``global_step`` without engine state numbers its rounds on
+        from there, as with the state, so that the finish (``sync_from``), ``sync_every`` and the group schedules
+        fall at the same steps as in the fit that saved it."""
+        return trainer.global_step // self._optimizer_steps_per_round()
 
     @property
     @override
