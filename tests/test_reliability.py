@@ -55,6 +55,20 @@ def test_a_stop_ends_its_own_fit_only(strategy: str) -> None:
     assert all(r["second"] == 32 for r in records), records  # its one more epoch: 256 samples, 2 ranks of 8
 
 
+@pytest.mark.parametrize("strategy", ["eager_sgd", "abs_sgd"])
+def test_a_fit_without_training_batches_from_a_mid_fit_checkpoint_ends_nothing(strategy: str, tmp_path) -> None:
+    """``limit_train_batches=0`` skips Lightning's loop with training not done: the strategy ends no fit at teardown
+    (it ends one whose training was done: saved at its last step), so the fit returns with the weights it loaded,
+    where abs_sgd raised (no train dataloader prepared) and eager_sgd flushed a mid-fit checkpoint's carried work."""
+    proc = subprocess.run([sys.executable, "-m", "tests.scripts.skipped_loop", "--strategy", strategy,
+                           "--out", str(tmp_path)],
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"}, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    records = [json.loads(line[len("RECORD "):]) for line in proc.stdout.splitlines() if line.startswith("RECORD ")]
+    assert sorted(r["rank"] for r in records) == [0, 1] and all(r["as_loaded"] for r in records), records
+
+
 # ------------------------------------------------------- abs_sgd: batch-count validation
 @pytest.mark.parametrize("interval", [10, 1, 0.5, 0.25])
 def test_abs_sgd_refuses_validation_every_n_batches(interval) -> None:

@@ -86,6 +86,11 @@ class Engine(Protocol):
     @property
     def round_reached(self) -> int: ...
 
+    @property
+    def step(self) -> int: ...
+
+    def begin_at(self, round_index: int) -> None: ...
+
     def start(self) -> Any: ...
 
     def request_stop(self) -> None: ...
@@ -686,6 +691,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         """Every rank: a resumed fit whose loop ran no batch ends first (:meth:`_end_a_fit_without_batches`), then
         what the fit holds is released (:meth:`_release_fit`, the engines, the store)."""
         self._end_a_fit_without_batches()
+        self._resume_state = None  # a checkpoint's engine state is for the fit that loaded it, used or not
         self._release_fit()
         self._close_engines()
         self._release_store(agreed=False)
@@ -705,8 +711,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         """
         trainer = self._attached_trainer
         if (self._resume_state is None or trainer is None or trainer.state.fn != TrainerFn.FITTING
-                or trainer.state.status != TrainerStatus.RUNNING or self._engines):
-            return
+                or trainer.state.status != TrainerStatus.RUNNING or self._engines
+                or not trainer.fit_loop.done or trainer.limit_train_batches == 0):
+            return  # (limit_train_batches=0 skips the loop too, with training not done: nothing ends then)
         log.info("rank %d: the resumed checkpoint's training was done; its pending work is applied as at the end "
                  "of fit", self.global_rank)
         self.on_train_start()
@@ -768,7 +775,9 @@ class ConfiguredStrategy(PartialStrategy[EngineT]):
         if not by_steps and self._saved_world_size != self.world_size:
             done = round(done * self._saved_world_size / self.world_size)
         left = max(0, int(rounds) - done)
-        return self._first_round + max(0, left - (int(rounds) - first))
+        # Below the first round where the fit resumed inside its finish: the same index as the fit that saved
+        # it (model averaging's finish="gradients" starts its finish once, at that round).
+        return max(0, self._first_round + left - (int(rounds) - first))
 
     @override
     def _first_round_without_state(self, trainer: "pl.Trainer") -> int:
