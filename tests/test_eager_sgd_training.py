@@ -144,19 +144,6 @@ def test_resume_from_a_mid_run_checkpoint_loses_no_carried_gradient(tmp_path):
 OVERLAP = json.dumps({"overlap": True})
 
 
-def test_the_finish_of_a_fit_with_two_optimizers_is_the_last_rounds_of_each_engine(tmp_path):
-    """Manual optimization with two optimizers, ``max_steps=12``: Lightning's ``global_step`` counts both
-    optimizers' steps, so each engine runs 6 rounds; ``final_sync=0.25`` makes the last 2 of each synchronous
-    (placed against 12 rounds, the finish began at round 9 and never ran). Every gradient applied exactly once."""
-    records = run(tmp_path, "--strategy", "eager_sgd", "--manual", "--steps", "12",
-                  "--strategy-kw", json.dumps({"final_sync": 0.25}))
-    assert_identical_replicas(records)
-    for engine in (0, 1):
-        rounds = [(r, sync) for i, r, sync in records[0]["rounds"] if i == engine]
-        assert [r for r, _ in rounds] == list(range(6)), rounds
-        assert [r for r, sync in rounds if sync] == [4, 5], rounds
-
-
 @pytest.mark.parametrize("kw", [{"final_sync": 0.0}, {"overlap": True}], ids=["carried", "overlap"])
 def test_a_fit_resumed_from_its_last_steps_checkpoint_applies_what_the_checkpoint_held(tmp_path, kw):
     """A checkpoint saved at the fit's last step (``max_steps``) holds what the end of fit applies after it: the

@@ -569,23 +569,22 @@ def test_adaptive_batch_size_ignores_results_restored_from_a_checkpoint_of_anoth
 
 
 @pytest.mark.parametrize(
-    "steps_done, first_round, saved_world, world, per, max_steps, estimated, want",
+    "steps_done, first_round, saved_world, world, max_steps, estimated, want",
     [
-        (0, 0, 4, 4, 1, -1, 100, 95),  # a new fit: the last 5 of 100 rounds
-        (50, 50, 4, 4, 1, -1, 100, 95),  # resumed with engine state before the finish: where it was
-        (97, 97, 4, 4, 1, -1, 100, 95),  # resumed inside it: the same index, below the first round
-        (40, 40, 4, 4, 1, -1, 100, 95),  # resumed without engine state (begin_at the step): where it was
-        (32, 32, 4, 2, 1, -1, 128, 89),  # 4 ranks -> 2, epochs: 32 steps there are 64 here; the last 7 of 64 left
-        (64, 64, 2, 4, 1, -1, 64, 92),  # 2 ranks -> 4, epochs: 64 steps there are 32 here; the last 4 of 32 left
-        (40, 40, 4, 2, 1, 100, 100, 95),  # another world size, max_steps binding: the steps count as they are
-        (0, 0, 4, 4, 2, 12, 12, 4),  # two optimizers, max_steps 12: 6 rounds each, the last 2 (final_sync 0.25)
+        (0, 0, 4, 4, -1, 100, 95),  # a new fit: the last 5 of 100 rounds
+        (50, 50, 4, 4, -1, 100, 95),  # resumed with engine state before the finish: where it was
+        (97, 97, 4, 4, -1, 100, 95),  # resumed inside it: the same index, below the first round
+        (40, 40, 4, 4, -1, 100, 95),  # resumed without engine state (begin_at the step): where it was
+        (32, 32, 4, 2, -1, 128, 89),  # 4 ranks -> 2, epochs: 32 steps there are 64 here; the last 7 of 64 left
+        (64, 64, 2, 4, -1, 64, 92),  # 2 ranks -> 4, epochs: 64 steps there are 32 here; the last 4 of 32 left
+        (40, 40, 4, 2, 100, 100, 95),  # another world size, max_steps binding: the steps count as they are
     ],
 )
-def test_the_synchronous_finish_is_the_last_rounds_the_fit_runs(steps_done, first_round, saved_world, world, per,
+def test_the_synchronous_finish_is_the_last_rounds_the_fit_runs(steps_done, first_round, saved_world, world,
                                                                   max_steps, estimated, want):
     """``ConfiguredStrategy._finish_from``: the first round of the finish, from Lightning's estimate of the fit's
     steps, the engine's first round and the steps done (at the checkpoint's world size where the fit resumed on
-    another one), in the rounds of each engine."""
+    another one)."""
     from types import SimpleNamespace
 
     from lightning_partial import EagerSGDStrategy
@@ -593,16 +592,12 @@ def test_the_synchronous_finish_is_the_last_rounds_the_fit_runs(steps_done, firs
     class Placed(EagerSGDStrategy):
         @property
         def _trainer(self):
-            return SimpleNamespace(estimated_stepping_batches=estimated, max_steps=max_steps,
-                                   global_step=steps_done * per)
+            return SimpleNamespace(estimated_stepping_batches=estimated, max_steps=max_steps, global_step=steps_done)
 
         @property
         def world_size(self) -> int:
             return world
 
-        def _optimizer_steps_per_round(self) -> int:
-            return per
-
-    strategy = Placed(final_sync=0.25 if per == 2 else 0.05)
+    strategy = Placed(final_sync=0.05)
     strategy._first_round, strategy._saved_world_size = first_round, saved_world
     assert strategy._finish_from() == want

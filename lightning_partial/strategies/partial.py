@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from abc import abstractmethod
 from dataclasses import replace
 from datetime import timedelta
@@ -384,16 +383,6 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         ).start()
         for engine in engines:
             engine.attach_liveness(self._heartbeat)
-
-    def _optimizer_steps_per_round(self) -> int:
-        """Lightning's ``global_step`` per round of an engine: under manual optimization with several optimizers
-        each optimizer's step counts, and each engine runs a round per step of its own optimizer (all stepping
-        once per batch, as manual optimization's examples do); otherwise 1."""
-        module = self.lightning_module
-        if module is None or module.automatic_optimization:
-            return 1
-        trained = [o for o in self.optimizers if any(p.requires_grad for g in o.param_groups for p in g["params"])]
-        return max(1, len(trained))
 
     def _first_round_without_state(self, trainer: "pl.Trainer") -> int:
         """The first round of an engine that starts without a checkpoint's state: 0 (a subclass whose rounds
@@ -753,9 +742,10 @@ class ConfiguredStrategy(PartialStrategy[EngineT]):
     def _finish_from(self) -> Optional[int]:
         """The first round of the synchronous finish of the engine being built (``None``: no finish).
 
-        The last ``final_sync`` of the fit's rounds, as ``trainer.estimated_stepping_batches`` counts them
-        (``max_steps`` counts every optimizer's steps: one round per ``_optimizer_steps_per_round``), placed
-        from the engine's first round (``_first_round``) by the rounds this fit still runs: a new fit starts
+        The last ``final_sync`` of the fit's rounds, as ``trainer.estimated_stepping_batches`` counts them (a
+        round per optimizer step; under manual optimization with several optimizers ``max_steps`` counts every
+        optimizer's steps, and how each engine's rounds share them is not known in advance: the finish is
+        placed in the fit's steps, as for one optimizer), placed from the engine's first round (``_first_round``) by the rounds this fit still runs: a new fit starts
         at round 0, a resumed one at its checkpoint's round, so the finish falls where it would have. On
         another world size an epoch-bound fit's steps so far count at the old size's rate (an epoch is
         ``P_old / P`` times as many steps now), so the finish stays the last ``final_sync`` of the steps run.
@@ -764,14 +754,11 @@ class ConfiguredStrategy(PartialStrategy[EngineT]):
             return None
         trainer = self._trainer
         rounds = trainer.estimated_stepping_batches
-        per = self._optimizer_steps_per_round()
         by_steps = trainer.max_steps != -1 and rounds >= trainer.max_steps
-        if per > 1 and trainer.max_steps != -1:
-            rounds = min(rounds, math.ceil(trainer.max_steps / per))
         first = first_sync_round(self.final_sync, rounds, owner=self.strategy_name, rank=self.global_rank)
         if first is None:
             return None
-        done = trainer.global_step // per
+        done = trainer.global_step
         if not by_steps and self._saved_world_size != self.world_size:
             done = round(done * self._saved_world_size / self.world_size)
         left = max(0, int(rounds) - done)
@@ -784,7 +771,7 @@ class ConfiguredStrategy(PartialStrategy[EngineT]):
         """A round per optimizer step: a fit resumed at ``global_step`` without engine state numbers its rounds on
         from there, as with the state, so that the finish (``sync_from``), ``sync_every`` and the group schedules
         fall at the same steps as in the fit that saved it."""
-        return trainer.global_step // self._optimizer_steps_per_round()
+        return trainer.global_step
 
     @property
     @override

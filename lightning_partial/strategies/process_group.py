@@ -87,8 +87,8 @@ def check_backend(backend: object) -> None:
     """``process_group_backend``: ``None`` (chosen from the device) or a backend ``torch.distributed`` knows, alone or
     per device (``"cpu:gloo,cuda:nccl"``), checked at construction: an unknown one would fail only once every rank
     has started, in ``init_process_group``."""
-    if backend is None:
-        return
+    if backend is None or backend == "":
+        return  # chosen from the device (an empty string, as from a configuration left blank, too)
     known = [b for b in dist.Backend.backend_list if b != dist.Backend.UNDEFINED]
     names = [part.split(":", 1)[-1].strip().lower() for part in backend.split(",")] if isinstance(backend, str) else []
     if not names or not all(names) or any(name not in known for name in names):

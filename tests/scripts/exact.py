@@ -160,12 +160,6 @@ def main() -> None:
 
         def __init__(self) -> None:
             self.at_batch_end: list[int] = []
-            self.rounds: list[tuple[int, int, bool]] = []  # (engine, round, synchronous) of every round applied
-
-        def on_train_start(self, trainer, pl_module):
-            listeners = getattr(trainer.strategy, "round_listeners", None)
-            if listeners is not None:
-                listeners.append(lambda i, s: self.rounds.append((i, s.round_index, bool(s.synchronous))))
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             SPY["active"] = True
@@ -225,7 +219,6 @@ def main() -> None:
             "train_rank_mean": float(trainer.callback_metrics.get("train_rank_mean", float("nan"))),
             "global_step": trainer.global_step,
             "skipped_steps": getattr(trainer.strategy, "skipped_steps", 0),
-            "rounds": probe.rounds,
         }
 
     def write(trainer: L.Trainer, record: dict) -> None:
