@@ -327,6 +327,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         self._store = create_store(timeout=self._timeout, group=self.collective_group)
         resume = self._resume_state
         self._resume_state = None
+        self._saved_world_size = int(resume.get("world_size", self.world_size)) if resume else self.world_size
         for index, optimizer in enumerate(self.optimizers):
             params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
             if not params:
@@ -335,7 +336,6 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             # The engine's first round (read by _round_config while the engine is built): a checkpoint's, or,
             # resumed without engine state (drop_engine_state, a DDP checkpoint), where the steps say.
             self._first_round = int(state["step"]) if state is not None else self._first_round_without_state(trainer)
-            self._saved_world_size = int(resume.get("world_size", self.world_size)) if resume else self.world_size
             engine = self._build_engine(index, params, self._store)
             if state is not None:
                 engine.load_state_dict(state)
@@ -745,8 +745,9 @@ class ConfiguredStrategy(PartialStrategy[EngineT]):
         The last ``final_sync`` of the fit's rounds, as ``trainer.estimated_stepping_batches`` counts them (a
         round per optimizer step; under manual optimization with several optimizers ``max_steps`` counts every
         optimizer's steps, and how each engine's rounds share them is not known in advance: the finish is
-        placed in the fit's steps, as for one optimizer), placed from the engine's first round (``_first_round``) by the rounds this fit still runs: a new fit starts
-        at round 0, a resumed one at its checkpoint's round, so the finish falls where it would have. On
+        placed in the fit's steps, as for one optimizer), placed from the engine's first round
+        (``_first_round``) by the rounds this fit still runs: a new fit starts at round 0, a resumed one at its
+        checkpoint's round, so the finish falls where it would have. On
         another world size an epoch-bound fit's steps so far count at the old size's rate (an epoch is
         ``P_old / P`` times as many steps now), so the finish stays the last ``final_sync`` of the steps run.
         """

@@ -82,7 +82,6 @@ def _warn_if_restarts_share_the_rendezvous_store() -> None:
         )
 
 
-
 def check_backend(backend: object) -> None:
     """``process_group_backend``: ``None`` (chosen from the device) or a backend ``torch.distributed`` knows, alone or
     per device (``"cpu:gloo,cuda:nccl"``), checked at construction: an unknown one would fail only once every rank
@@ -97,6 +96,7 @@ def check_backend(backend: object) -> None:
             f" device, as 'cpu:gloo,cuda:nccl'), got {backend!r}: a third-party backend must be registered"
             " (torch.distributed.Backend.register_backend, usually by importing its package) before the strategy is made"
         )
+
 
 class ProcessGroupStrategy(ParallelStrategy):
     """Processes and groups as under ``DDPStrategy``; the strategy's own collectives on :attr:`collective_group`.

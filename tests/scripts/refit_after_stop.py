@@ -19,12 +19,14 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_partial  # noqa: F401 - registers the strategies
+from tests.scripts.two_fits import Tiny
 
 
-class Tiny(L.LightningModule):
+class Signalled(Tiny):
+    """Counts its batches; rank 1 sends itself SIGTERM in batch ``signal_at``."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.net = torch.nn.Linear(4, 1)
         self.signal_at: int | None = 3
         self.batches = 0
 
@@ -32,11 +34,7 @@ class Tiny(L.LightningModule):
         self.batches += 1
         if batch_idx == self.signal_at and self.global_rank == 1:
             os.kill(os.getpid(), signal.SIGTERM)
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return super().training_step(batch, batch_idx)
 
 
 def main() -> None:
@@ -46,7 +44,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     x = torch.randn(256, 4, generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
-    model = Tiny()
+    model = Signalled()
     trainer = L.Trainer(strategy=args.strategy, accelerator="cpu", devices=2, max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     record: dict = {}

@@ -17,19 +17,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_partial  # noqa: F401 - registers the strategies
-
-
-class Tiny(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+from tests.scripts.two_fits import Tiny
 
 
 class SaveAt(L.Callback):
