@@ -142,6 +142,26 @@ def restore_sigterm_broadcast(trainer: Any) -> None:
     _unshadow(_epoch_loop(trainer), "_broadcast_sigterm_tensor")
 
 
+def can_stop_early(trainer: Any) -> bool:
+    """Whether ``min_steps`` / ``min_epochs`` are met (Lightning's own check before a stop by a callback)."""
+    return bool(getattr(trainer.fit_loop, "_can_stop_early", True))
+
+
+def step_timer_budget(trainer: Any) -> Optional[tuple[Callable[[], float], float]]:
+    """The per-step ``Timer`` of ``Trainer(max_time=...)`` (the shortest, where a user added more): its training
+    time elapsed (a callable, in seconds, restored with the Timer's state on a resume) and its duration;
+    ``None`` without one."""
+    from lightning.pytorch.callbacks.timer import Interval, Timer
+
+    budgets = [
+        (callback.time_elapsed, float(callback._duration))
+        for callback in getattr(trainer, "callbacks", [])
+        if isinstance(callback, Timer) and getattr(callback, "_interval", None) == Interval.step
+        and getattr(callback, "_duration", None) is not None and hasattr(callback, "time_elapsed")
+    ]
+    return min(budgets, key=lambda budget: budget[1]) if budgets else None
+
+
 def take_over_step_timers(trainer: Any, request_finish: Callable[[], None]) -> None:
     """Replaces each per-step ``Timer``'s broadcast (``Trainer(max_time=...)``) with ``request_finish``.
 
@@ -170,7 +190,7 @@ def take_over_step_timers(trainer: Any, request_finish: Callable[[], None]) -> N
                                **kwargs: Any) -> None:
             if trainer.global_rank != 0 or _requested[0]:
                 return
-            if not getattr(trainer.fit_loop, "_can_stop_early", True):
+            if not can_stop_early(trainer):
                 return  # min_steps / min_epochs not met: Lightning would go on anyway (asked again next batch)
             if _timer.time_elapsed() >= _timer._duration:
                 _requested[0] = True

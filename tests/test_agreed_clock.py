@@ -71,6 +71,26 @@ def test_a_time_limit_runs_no_collective_per_batch_and_every_rank_ends_at_the_sa
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["eager_sgd", "wagma_sgd"])
+def test_a_time_limit_runs_the_synchronous_finish_in_its_last_share(tmp_path, strategy):
+    """``max_time`` alone, so no count of steps places the finish: once ``1 - final_sync`` of the limit has
+    passed, rank 0 asks for it in a round, and every rank's rounds are synchronous from the same round on
+    until the fit ends (every rank applied the same rounds, each alike; before, none of the fit's rounds
+    was synchronous but ``wagma_sgd``'s periodic global averages)."""
+    out = tmp_path / "run"
+    records = timed_fit(out, strategy, "--straggle-ms", "10", "--strategy-kw", '{"final_sync": 0.4}', seconds=4.0)
+    assert_finished_alike(out, records)
+    rounds = records[0]["rounds"]
+    assert all(rec["rounds"] == rounds for rec in records)
+    requested = [(r, first) for r, _, first in rounds if first is not None]
+    assert len(requested) == 1, requested
+    request_round, first = requested[0]
+    assert request_round > len(rounds) // 4, (request_round, len(rounds))  # late in the fit, by the clock
+    finish = [synchronous for r, synchronous, _ in rounds if r >= first]
+    assert len(finish) > 1 and all(finish), rounds[-10:]  # step rounds of the finish (the final one not logged)
+
+
+@pytest.mark.timeout(300)
 def test_eager_sgd_saves_and_validates_by_rank_0s_clock_at_the_same_step(tmp_path):
     """Time-based checkpoints and validation (its ``sync_dist`` logging is a collective), 0.5 s intervals in a
     4 s fit: every rank validates and saves at the same global steps, several times, and each checkpoint file

@@ -117,6 +117,29 @@ def test_manual_optimization_with_two_optimizers_majority_bf16_mixed(tmp_path):
     assert records[0]["final"]["v"] == expected(records[0]["w0"]["v"], total, lr=lr, world=4, scale=2)
 
 
+def test_several_optimizers_bound_by_max_steps_end_with_their_synchronous_finish(tmp_path):
+    """Manual optimization, two optimizers stepping every batch: ``max_steps=40`` counts both, so each engine
+    runs 20 rounds, and a finish placed at the fit's step 30 (``final_sync=0.25``) would never come. Rank 0
+    asks for it at that global step instead: each engine's last rounds are synchronous, the same on every rank,
+    and every gradient still lands exactly once."""
+    records = run(tmp_path, "--strategy", "eager_sgd", "--manual", "--steps", "40",
+                  "--strategy-kw", '{"final_sync": 0.25}')
+    assert_identical_replicas(records)
+    total = computed(records)
+    lr = records[0]["lr"]
+    assert records[0]["final"]["w"] == expected(records[0]["w0"]["w"], total, lr=lr, world=4)
+    assert records[0]["final"]["v"] == expected(records[0]["w0"]["v"], total, lr=lr, world=4, scale=2)
+    rounds = records[0]["rounds"]
+    assert sorted(rounds) == ["0", "1"] and all(rec["rounds"] == rounds for rec in records)
+    for index, applied in rounds.items():
+        assert [r for r, _, _ in applied] == list(range(20)), index  # the step rounds (the final one not logged)
+        requested = [first for _, _, first in applied if first is not None]
+        # Asked at global step 30 - 2 optimizers x a margin of 3 = 24 (batch 12): rounds from 15 or 16 on.
+        assert len(requested) == 1 and 15 <= requested[0] <= 16, (index, applied)
+        assert all(synchronous for r, synchronous, _ in applied if r >= requested[0]), (index, applied)
+        assert not all(synchronous for _, synchronous, _ in applied[:requested[0]]), (index, applied)
+
+
 def test_bf16_true_replicas_identical(tmp_path):
     records = run(tmp_path, "--strategy", "eager_sgd", "--precision", "bf16-true", "--steps", "8")
     assert_identical_replicas(records)

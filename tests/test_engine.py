@@ -906,6 +906,90 @@ def test_announcements_and_a_finish_reach_every_rank_in_the_same_round(mode):
     assert finish is not None and 20 <= finish < 40 and last == 40
 
 
+@pytest.mark.parametrize(
+    "kw, overlap",
+    [(dict(mode="solo", max_staleness=1), False), (dict(mode="solo", max_staleness=None), False),
+     (dict(mode="majority", max_staleness=2), False), (dict(mode="solo", max_staleness=1), True),
+     (dict(mode="quorum", quorum=2, max_staleness=None), True)],
+    ids=["solo-s1", "solo-unbounded", "majority-s2", "solo-s1-overlap", "quorum-overlap"],
+)
+def test_a_requested_synchronous_finish_begins_at_the_same_round_on_every_rank(kw, overlap):
+    """Rank 0 asks for the synchronous finish at step 30 (``request_sync``; twice, the second changes nothing)
+    while rank 3 straggles: every rank finds the request in the same round R, with the first synchronous round
+    at ``R + max_staleness + 2``; from there every round is synchronous and holds every rank's gradient of its
+    own step (the late ones applied in the first of them), and what arrived is summed exactly (nothing lost).
+    With ``overlap`` each step submits its round before collecting the previous one (eager_sgd's overlap)."""
+    steps = 80
+
+    def fn(rank: int, store: dist.Store):
+        engine = PartialAllreduce(config(late="carry", normalize="sum", **kw), store=store, rank=rank,
+                                  world_size=P, like=torch.zeros(5, dtype=torch.float64))
+        engine.start()
+        rng = random.Random(3000 + rank)
+        sent, results, previous, seen = [], [], None, []
+        try:
+            for step in range(steps):
+                random_delay(rng, scale=0.006 if rank == P - 1 else 0.001)
+                if rank == 0 and step in (30, 31):
+                    engine.request_sync()
+                g = integer_grad(rank, step)
+                sent.append(g.clone())
+                if overlap:
+                    q = engine.submit(g)
+                    if previous is not None:
+                        results.append(engine.collect(previous))
+                    previous = q
+                else:
+                    results.append(engine.arrive(g))
+                if results and results[-1].stats.sync_from is not None:
+                    seen.append((results[-1].round_index, results[-1].stats.sync_from, engine.sync_from))
+            if previous is not None:
+                results.append(engine.collect(previous))
+            results.append(engine.flush())
+            assert engine.state_dict()["pending"] == []
+        finally:
+            engine.close()
+        return sent, results, seen
+
+    per_rank = run_threads(P, fn)
+    assert_identical([results for _, results, _ in per_rank])
+    seen = per_rank[0][2]
+    assert all(other == seen for _, _, other in per_rank), [s for _, _, s in per_rank]
+    assert len(seen) == 1, seen  # the second request rode no round of its own, or changed nothing
+    request_round, first, in_force = seen[0]
+    # Rank 0's thread had taken round 29 (28 with overlap) when its caller asked at step 30.
+    assert request_round >= 30 - overlap and first == request_round + (kw["max_staleness"] or 0) + 2
+    assert in_force == first
+    results = per_rank[0][1]
+    assert [r.round_index for r in results] == list(range(steps + 1))
+    assert first < steps
+    for r in results[first:steps]:
+        assert r.stats.synchronous and r.stats.fresh == tuple(range(P)), (r.round_index, r.stats)
+    assert all(s == 0 for r in results[first + 1:steps] for s in r.stats.staleness)
+    # The straggler made some earlier rounds partial (otherwise this proves nothing).
+    assert any(r.stats.fresh != tuple(range(P)) for r in results[:request_round])
+    assert torch.equal(sum(r.tensors[0] for r in results), sum(g for sent, _, _ in per_rank for g in sent))
+
+
+def test_request_sync_is_refused_where_it_cannot_ride_and_the_configured_finish_is_kept_where_it_comes_first():
+    e = PartialAllreduce(config(mode="sync"), store=dist.HashStore(), rank=0, world_size=1, like=torch.zeros(1))
+    with pytest.raises(ValueError, match="header"):
+        e.request_sync()
+    from lightning_partial.collectives import DelayedAllreduce, DelayedConfig
+
+    delayed = DelayedAllreduce(DelayedConfig(target_samples=4), store=dist.HashStore(), rank=0, world_size=1, like=torch.zeros(1))
+    with pytest.raises(NotImplementedError, match="request_sync"):
+        delayed.request_sync()
+    assert delayed.sync_from is None  # its own finish: none configured
+    e = PartialAllreduce(config(mode="solo", sync_from=50), store=dist.HashStore(), rank=0, world_size=1,
+                         like=torch.zeros(1))
+    assert e.sync_from == 50
+    e._requested_sync_from = 30
+    assert e.sync_from == 30 and e._known_sync(30) and not e._known_sync(29)
+    e._requested_sync_from = 70
+    assert e.sync_from == 50 and e._known_sync(50)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_header_rides_in_the_data_allreduce_exactly(dtype):
     """gloo and host tensors: one collective a round, and the header survives it exactly.

@@ -232,6 +232,14 @@ class DelayedAllreduce(PartialAllreduce):
     """
 
     _SKIPPABLE = False  # no skip(): its rounds are paced by samples, not by steps
+    _REQUESTS_SYNC = False  # its finish: sync_from, sync_from_samples (and its own bookkeeping of both)
+
+    @property
+    def sync_from(self) -> Optional[int]:
+        """The first synchronous round in force: ``config.sync_from``, or the round after the one whose global
+        samples reached ``sync_from_samples``, once known; ``None`` before."""
+        with self._cond:
+            return self._sync_from
 
     def __init__(
         self,

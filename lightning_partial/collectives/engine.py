@@ -148,6 +148,8 @@ class PartialAllreduce(RoundRunner):
     _FUSE_HEADER = True
     # Whether skip() applies (a round's result is a gradient sum a rank can apply without contributing).
     _SKIPPABLE = True
+    #: Whether :meth:`request_sync` is supported.
+    _REQUESTS_SYNC = True
 
     def __init__(
         self,
@@ -217,6 +219,10 @@ class PartialAllreduce(RoundRunner):
         # that interrupted the caller's thread while it held self._cond.
         self._stop_requested = False
         self._finish_requested = False  # as the stop: a plain flag the communication thread reads
+        self._sync_requested = False  # request_sync(), until the next snapshot carries it (under self._cond)
+        # The first round of a synchronous finish that a round's header requested (under self._cond). Not in
+        # the engine's state: the request is the fit's, made again by a resumed fit where still due.
+        self._requested_sync_from: Optional[int] = None
         self._announce = 0  # bits announced since this rank's last snapshot (under self._cond)
 
         self._initiators = random.Random(config.seed)
@@ -442,6 +448,42 @@ class PartialAllreduce(RoundRunner):
         """
         self._require_header("request_finish")
         self._finish_requested = True
+
+    def request_sync(self) -> None:
+        """Asks every rank to make every round synchronous from a few rounds after the next one this rank's
+        thread snapshots (a synchronous finish whose start the caller decides as the fit runs: a training
+        time limit, where the fit's rounds cannot be counted in advance).
+
+        The request travels in that round's header: every rank finds the first synchronous round in
+        that round's ``result.stats.sync_from``, ``max_staleness + 2`` rounds after it (2 without a
+        bound), so that every rank has that round's header before it decides anything about the
+        first synchronous one. From there on the rounds are as from ``config.sync_from`` (which is
+        kept where it comes first); :attr:`sync_from` is the first synchronous round in force. A second
+        request changes nothing. The margin holds for a caller that submits at most one round before
+        collecting it (:meth:`arrive`, or eager_sgd's overlap). The request is not in :meth:`state_dict`: it
+        belongs to the fit, whose caller asks again after a resume where it is still due. Not available in
+        pure ``sync`` mode, whose rounds carry no header, nor in a ``DelayedAllreduce``, whose finish is
+        placed by its own rules.
+        """
+        if not self._REQUESTS_SYNC:
+            raise NotImplementedError(f"{type(self).__name__} does not support request_sync()")
+        self._require_header("request_sync")
+        with self._cond:
+            self._sync_requested = True
+
+    @property
+    def sync_margin(self) -> int:
+        """How many rounds after the round that carries a :meth:`request_sync` the synchronous rounds begin."""
+        return self._sync_margin()
+
+    @property
+    def sync_from(self) -> Optional[int]:
+        """The first round of the synchronous finish in force: the configuration's ``sync_from`` or a requested
+        one (:meth:`request_sync`), whichever comes first; ``None`` while neither is known. A caller that
+        collected round ``r`` reads every request up to ``r``."""
+        with self._cond:
+            known = [r for r in (self.config.sync_from, self._requested_sync_from) if r is not None]
+        return min(known) if known else None
 
     def announce(self, flags: int) -> None:
         """Has every rank see ``flags`` (caller-defined bits) in the same round, once.

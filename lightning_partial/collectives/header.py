@@ -21,6 +21,10 @@ from lightning_partial.collectives.errors import PartialCollectiveError
 # Columns of the per-rank header row.
 COUNT, NEWEST, OLDEST, ACTIVATED, FLUSH, PROGRESS, DROPPED, STOP, DISCOUNT, BUSY, FINISH, ANNOUNCED = range(12)
 WIDTH = 12
+# FINISH holds flags: the fit ends after this round (request_finish), and every round from a few after
+# this one is synchronous (request_sync). Each rank writes only its own row, so the flags never carry.
+FINISH_FIT = 1
+FINISH_SYNC = 2
 # ANNOUNCED holds caller-defined bits (PartialAllreduce.announce), at most this many.
 ANNOUNCE_BITS = 62
 # DISCOUNT holds the gradients' worth that staleness weights withheld, in fixed point

@@ -67,6 +67,8 @@ class RoundRunner(EngineGroups):
     _waiting_round: Optional[int]
     _stop_requested: bool
     _finish_requested: bool
+    _sync_requested: bool
+    _requested_sync_from: Optional[int]
     _announce: int
     _in_round: bool
     _done_events: dict[int, torch.cuda.Event]
@@ -104,6 +106,10 @@ class RoundRunner(EngineGroups):
                     self._in_round = False
                     if result.stats.stop:
                         self._stop_round = r
+                    if result.stats.sync_from is not None:
+                        # Before the result is published: the caller that collects round r, and this
+                        # thread in round r + 1, already count the requested rounds as synchronous.
+                        self._requested_sync_from = result.stats.sync_from
                     self._cond.notify_all()
                 control.collect(r, activated_through_store=not synchronous)
                 if result.stats.flush or result.stats.stop:
@@ -157,7 +163,9 @@ class RoundRunner(EngineGroups):
             own[header.PROGRESS] = self._step
             own[header.DROPPED] = self._dropped
             own[header.STOP] = int(self._stop_requested)
-            own[header.FINISH] = int(self._finish_requested)
+            own[header.FINISH] = (header.FINISH_FIT if self._finish_requested else 0) | (
+                header.FINISH_SYNC if self._sync_requested else 0)
+            self._sync_requested = False  # a request rides exactly one round
             own[header.ANNOUNCED] = self._announce  # each announcement rides exactly one round
             self._announce = 0
             own[header.DISCOUNT] = round(self._weigh(r, deposits) * header.DISCOUNT_SCALE)
@@ -167,7 +175,7 @@ class RoundRunner(EngineGroups):
         # (GroupAverage: a global average). Known locally: the flush round is the
         # same step on every rank (checked in _reduce), sync_every rounds are fixed.
         return RoundContext(
-            index=r, row=row, deposits=deposits, flush=flush, global_round=flush or self.config.is_sync_round(r),
+            index=r, row=row, deposits=deposits, flush=flush, global_round=flush or self._sync_round(r),
             began=began, activated=activated,
         )
 
@@ -225,6 +233,7 @@ class RoundRunner(EngineGroups):
         newest = summed[:, header.NEWEST].tolist()
         oldest = summed[:, header.OLDEST].tolist()
         activators = [i for i, a in enumerate(summed[:, header.ACTIVATED].tolist()) if a]
+        finishing = summed[:, header.FINISH].tolist()
         return RoundStats(
             round_index=r,
             activator=activators[0] if activators else -1,
@@ -240,7 +249,10 @@ class RoundRunner(EngineGroups):
             discounted=tuple(int(d) / header.DISCOUNT_SCALE for d in summed[:, header.DISCOUNT].tolist()),
             busy=tuple(int(b) / header.BUSY_SCALE for b in summed[:, header.BUSY].tolist()),
             stop=bool(summed[:, header.STOP].any()),
-            finish=bool(summed[:, header.FINISH].any()),
+            finish=any(int(f) & header.FINISH_FIT for f in finishing),
+            # The first request only (every rank has applied the earlier rounds' the same way).
+            sync_from=r + self._sync_margin() if self._requested_sync_from is None and any(
+                int(f) & header.FINISH_SYNC for f in finishing) else None,
             announced=functools.reduce(operator.or_, (int(a) for a in summed[:, header.ANNOUNCED].tolist()), 0),
             contributions=int(sum(counts)),
             divisor=outcome.divisor,
@@ -257,7 +269,25 @@ class RoundRunner(EngineGroups):
         collective itself waits for everybody. (The final flush is synchronous
         too, but not known in advance: flush() wakes its own thread instead.)
         """
-        return self.config.mode == "sync" or self.config.is_sync_round(round_index)
+        return self.config.mode == "sync" or self._sync_round(round_index)
+
+    def _sync_round(self, round_index: int) -> bool:
+        """Whether ``round_index`` is a synchronous round of the configuration's (``sync_every``, ``sync_from``)
+        or of a synchronous finish requested in an earlier round (``request_sync``)."""
+        requested = self._requested_sync_from
+        return self.config.is_sync_round(round_index) or (requested is not None and round_index >= requested)
+
+    def _sync_margin(self) -> int:
+        """How many rounds after the round that carries a ``request_sync`` the synchronous rounds begin.
+
+        Every rank must know a round is synchronous before it decides anything about it, and
+        a caller decides about round ``q`` (its activation) and ``q + s`` (the staleness gate
+        ``s``) when it submits step ``q``, by which time it has collected round ``q - 1``, or
+        ``q - 2`` when it submits before collecting (``overlap``): ``s + 2`` rounds later, every
+        rank has the request's round before any decision about the first synchronous one.
+        """
+        s = getattr(self.config, "max_staleness", None)
+        return (s or 0) + 2
 
     def _explain(self, err: BaseException) -> BaseException:
         """A collective that failed: the heartbeat's verdict naming the rank gone, if one comes soon.

@@ -24,6 +24,8 @@ class RoundStats:
         stop: some rank requested a stop (``request_stop``): this is the last round.
         finish: some rank asked every rank to end its fit after this round (``request_finish``);
             unlike ``stop``, the rounds go on (the final flush among them) until the caller ends.
+        sync_from: set in the round that carried the first ``request_sync``: every round from this
+            index on is synchronous (the same index on every rank); ``None`` in every other round.
         announced: the caller-defined bits that ranks announced with this round (``announce``), OR-ed
             over the ranks; each announcement is in exactly one round, the same on every rank.
         fresh: ranks whose gradient of this very step was in the round.
@@ -78,6 +80,7 @@ class RoundStats:
     flush: bool
     stop: bool = False
     finish: bool = False
+    sync_from: Optional[int] = None
     announced: int = 0
     fresh: tuple[int, ...]
     counts: tuple[int, ...]

@@ -281,6 +281,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
 
     strategy_name = "abs_sgd"
     lockstep = False  # a rank applies a round in its own batch: validation at epoch ends only
+    finish_by_time = False  # its finish is counted in global samples or rounds (max_time ends the fit only)
     registry_entries = (("abs_sgd", "ABS-SGD: delayed synchronous SGD with adaptive batch sizes", {}),)
     engine_family = "abs_sgd"  # pending gradient sums with sample counts, unapplied results
 

@@ -28,7 +28,14 @@ the same round, with no collective of its own:
   checkpoints included);
 * a time-based validation runs on every rank at the end of the batch that applied
   the round (the strategies whose rounds are steps; ``abs_sgd`` validates at epoch
-  ends only).
+  ends only);
+* under a time limit, the synchronous finish (``final_sync=f``) begins once ``1 - f``
+  of ``max_time`` has passed: rank 0 asks every engine for it (``request_sync``), and
+  every rank's rounds are synchronous from the same round on (the strategies whose
+  rounds are steps; ``abs_sgd`` counts its finish in samples or rounds only). A limit
+  of epochs or steps that comes first keeps its own finish. The same request starts it
+  at a global step where the engines cannot place it themselves (several optimizers
+  under manual optimization, bound by ``max_steps``).
 
 Threads: everything here runs on each rank's main thread; the engines'
 communication threads carry the bits. Pure ``sync`` mode keeps Lightning's own
@@ -69,14 +76,28 @@ class AgreedClock:
         lockstep: every rank applies round ``r`` in its step ``r``: a time-based validation
             can run at an agreed step, and a save can skip a step saved already (Lightning's
             check; under ``abs_sgd`` the ranks' global steps differ at a save).
+        begin_finish: asks every rank for the synchronous finish (the engines' ``request_sync``);
+            ``None``: the strategy places its finish by steps or samples only.
+        final_sync: the fraction of ``max_time`` the synchronous finish takes, at its end.
+        finish_at_step: the synchronous finish also begins at this global step (several optimizers
+            under manual optimization and ``max_steps``, which counts all their steps: no engine
+            knows in advance which of its rounds are the fit's last), or ``None``.
     """
 
     def __init__(self, *, rank: int, finish: Callable[[], None], announce: Callable[[int], None],
-                 lockstep: bool) -> None:
+                 lockstep: bool, begin_finish: Optional[Callable[[], None]] = None,
+                 final_sync: float = 0.0, finish_at_step: Optional[int] = None) -> None:
         self.rank = rank
         self._finish = finish
         self._announce = announce
         self._lockstep = lockstep
+        self._begin_finish = begin_finish
+        self._final_sync = final_sync
+        # max_time's clock (training seconds elapsed) and when the synchronous finish begins; None: no such finish.
+        self._elapsed: Optional[Callable[[], float]] = None
+        self._finish_at: Optional[float] = None
+        # The global step from which the synchronous finish begins, where the engines' rounds cannot place it.
+        self._finish_at_step = finish_at_step if begin_finish is not None else None
         self.checkpoints: list[TimeCheckpoint] = []
         self._validation_interval: Optional[float] = None
         self._validation_announced = False
@@ -90,6 +111,10 @@ class AgreedClock:
         do these strategies.
         """
         _compat.take_over_step_timers(trainer, self._finish)
+        budget = _compat.step_timer_budget(trainer)
+        if budget is not None and self._begin_finish is not None and self._final_sync > 0:
+            self._elapsed, duration = budget
+            self._finish_at = (1.0 - self._final_sync) * duration
         if trainer.lightning_module.automatic_optimization:
             for callback in trainer.checkpoint_callbacks:
                 if getattr(callback, "_train_time_interval", None) is None:
@@ -117,6 +142,13 @@ class AgreedClock:
         """Rank 0, main thread: announces what its clock says is due (others: nothing)."""
         if self.rank != 0:
             return
+        # Not while min_steps / min_epochs keep the fit going past its time limit (as the Timer's own stop).
+        by_time = (self._finish_at is not None and self._elapsed is not None and self._elapsed() >= self._finish_at
+                   and _compat.can_stop_early(trainer))
+        if by_time or (self._finish_at_step is not None and trainer.global_step >= self._finish_at_step):
+            self._finish_at = self._finish_at_step = None  # once per fit
+            assert self._begin_finish is not None
+            self._begin_finish()
         now = time.monotonic()
         bits = 0
         for checkpoint in self.checkpoints:

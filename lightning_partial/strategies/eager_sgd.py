@@ -146,7 +146,8 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             fully synchronous (every rank's fresh gradient, and whatever is still carried in
             the first of them): the fit ends on DDP's steps from where the fast rounds left it
             (:mod:`~lightning_partial.strategies.final_sync`; placed against
-            ``trainer.estimated_stepping_batches``). **Decision:** ``0.05`` (default): under
+            ``trainer.estimated_stepping_batches``, or begun by rank 0's clock once ``1 - final_sync``
+            of ``max_time`` has passed, whichever comes first). **Decision:** ``0.05`` (default): under
             AdamW at a constant rate solo ended 3.4-8.6 points below DDP without it and
             0.0-0.9 with it (three seeds); it costs the straggler's wait in those rounds only
             (``docs/staleness.md#the-synchronous-finish``). ``0.0``: every round as ``mode``

@@ -18,9 +18,13 @@ The rounds are counted against ``trainer.estimated_stepping_batches`` (the
 fit's optimizer steps), from each engine's first round by the rounds the fit
 still runs (``ConfiguredStrategy._finish_from``), so a resumed fit finishes at
 the same rounds; every rank computes the same first synchronous round, the
-engine's ``PartialAllreduceConfig.sync_from``. A fit whose length Lightning
-cannot estimate (``max_time`` only, or an iterable data set without a length)
-runs without it, with a warning. ``abs_sgd``'s rounds differ in size, so it
+engine's ``PartialAllreduceConfig.sync_from``. Under a training time limit
+(``max_time``) the finish also begins once ``1 - final_sync`` of it has passed,
+by rank 0's clock (:mod:`~lightning_partial.strategies.agreed_clock`; the engines'
+``request_sync``): whichever of the two comes first, so a fit that the time limit
+ends before its steps or epochs still ends on fresh gradients. A fit whose length
+Lightning cannot estimate and which has no time limit (an iterable data set
+without a length) runs without it, with a warning. ``abs_sgd``'s rounds differ in size, so it
 counts its finish in global samples (``max_epochs``) or rounds (``max_steps``);
 see :class:`~lightning_partial.strategies.abs_sgd.ABSSGDStrategy`.
 """
@@ -46,18 +50,22 @@ def check_final_sync(value: object, *, owner: str) -> float:
 
 
 def first_sync_round(final_sync: float, total_steps: object, *, owner: str, rank: int = 0,
-                     unit: str = "optimizer steps") -> Optional[int]:
+                     unit: str = "optimizer steps", by_time: bool = False) -> Optional[int]:
     """Where the synchronous finish starts in a fit of ``total_steps`` (of ``unit``), or ``None``.
 
     The last ``ceil(final_sync * total_steps)`` are synchronous (at least one when
     ``final_sync > 0``). ``None`` when it is off, or when ``total_steps`` is not
-    a finite count (Lightning's estimate of an unbounded fit), with a warning on rank 0.
+    a finite count (Lightning's estimate of an unbounded fit), with a warning on rank 0 (an
+    info line where a training time limit starts the finish instead: ``by_time``).
     ``abs_sgd`` counts its fit in global samples or in rounds (``unit``).
     """
     if final_sync <= 0.0:
         return None
     if not is_finite_number(total_steps) or total_steps < 1:
-        if rank == 0:
+        if rank == 0 and by_time:
+            log.info("%s: the fit's length in %s is not known (%r): its synchronous finish (final_sync=%s) "
+                     "begins by the training time limit", owner, unit, total_steps, final_sync)
+        elif rank == 0:
             log.warning("%s: final_sync=%s needs the fit's length in %s, which is %r (set max_steps or "
                         "max_epochs): the fit runs without its synchronous finish",
                         owner, final_sync, unit, total_steps)

@@ -107,7 +107,8 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
             scaling: its averaged local steps are DDP's.
         final_sync: the fraction of the fit's optimizer steps, at its end, whose rounds are
             synchronous global averages (every rank's model of this very step), as
-            ``EagerSGDStrategy``'s (:mod:`~lightning_partial.strategies.final_sync`).
+            ``EagerSGDStrategy``'s (:mod:`~lightning_partial.strategies.final_sync`; by steps, or
+            by ``max_time`` where the time limit comes first).
             ``0.05`` (default; measured in ``docs/staleness.md#the-synchronous-finish``);
             ``0.0``: every round as ``mode`` and ``global_every`` say (the reference codes').
         finish: what a finish round averages. ``"models"`` (default): the global average of
@@ -293,7 +294,7 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         average_first = self.order == "average_then_step"
         engine = self._engines[index]
         round_index = engine.step
-        sync_from = engine.config.sync_from
+        sync_from = engine.sync_from  # configured, or requested by a time limit (known from its round on)
         gradients = (self._gradient_finish if index in self._ddp_finish and sync_from is not None
                      and round_index >= sync_from else None)
         # DDP's step in the finish: the gradient is the global batch's, nothing to rescale.

@@ -154,6 +154,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
     #: Whether every rank applies round ``r`` in its step ``r`` (the same batch on every rank): then a
     #: time-based validation can run at an agreed step (``abs_sgd``: no; it validates at epoch ends only).
     lockstep: ClassVar[bool] = True
+    #: Whether a time limit (``max_time``) starts the synchronous finish once ``1 - final_sync`` of it has
+    #: passed (the engines' ``request_sync``); ``abs_sgd`` counts its finish in samples or rounds only.
+    finish_by_time: ClassVar[bool] = True
 
     def __init__(
         self, *, collective_timeout: timedelta = timedelta(seconds=60), **kwargs: Unpack[ProcessGroupOptions]
@@ -352,8 +355,11 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             # Lightning's own SIGTERM handling and clock decisions in pure sync mode.
             _compat.replace_sigterm_broadcast(trainer, lambda: self._stopped)
             if self._engines:
-                self._clock = AgreedClock(rank=self.global_rank, finish=self._request_finish,
-                                          announce=self._announce, lockstep=self.lockstep)
+                self._clock = AgreedClock(
+                    rank=self.global_rank, finish=self._request_finish, announce=self._announce,
+                    lockstep=self.lockstep, begin_finish=self._request_sync if self.finish_by_time else None,
+                    final_sync=self.final_sync, finish_at_step=self._finish_at_step(trainer),
+                )
                 self._clock.take_over(trainer)
 
     def _start_heartbeat(self) -> None:
@@ -418,6 +424,34 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
                  self.global_rank)
         for engine in self._engines.values():
             engine.request_finish()
+
+    def _finish_at_step(self, trainer: "pl.Trainer") -> Optional[int]:
+        """The global step at which rank 0 asks for the synchronous finish, where the engines cannot place it:
+        several optimizers under manual optimization with ``max_steps`` (which counts every optimizer's steps,
+        so no engine knows in advance which of its rounds are the fit's last); else ``None``.
+
+        The last ``final_sync`` of ``max_steps``, moved earlier by the request's margin (``max_staleness + 2``
+        rounds) at one round per optimizer and batch, so that an engine stepping every batch has its share
+        of the finish; one that steps rarely has fewer rounds in it. Never reached where the epochs end the
+        fit first (their finish is placed in the engines' rounds as for one optimizer).
+        """
+        optimizers = len(self.optimizers)
+        if not (self.final_sync and self.finish_by_time and self._engines and optimizers > 1
+                and not trainer.lightning_module.automatic_optimization and trainer.max_steps != -1):
+            return None
+        first = first_sync_round(self.final_sync, trainer.max_steps, owner=self.strategy_name, rank=self.global_rank)
+        assert first is not None  # max_steps >= 1, final_sync > 0
+        margin = max(engine.sync_margin for engine in self._engines.values())
+        return max(0, first - optimizers * margin)
+
+    def _request_sync(self) -> None:
+        """Rank 0, main thread, at a batch start once ``1 - final_sync`` of ``max_time`` has passed (or at
+        :meth:`_finish_at_step`): every engine asks every rank for the synchronous finish (each engine's rounds
+        are synchronous from the same round on every rank, a few rounds on: ``PartialAllreduce.request_sync``)."""
+        log.info("rank %d: asking for the synchronous finish (final_sync=%s) at step %d: each engine's rounds are "
+                 "synchronous from a few rounds on", self.global_rank, self.final_sync, self._trainer.global_step)
+        for engine in self._engines.values():
+            engine.request_sync()
 
     def _announce(self, flags: int) -> None:
         """Rank 0, main thread: clock decisions for every rank, in the next round of the first engine."""
@@ -745,7 +779,8 @@ class ConfiguredStrategy(PartialStrategy[EngineT]):
         The last ``final_sync`` of the fit's rounds, as ``trainer.estimated_stepping_batches`` counts them (a
         round per optimizer step; under manual optimization with several optimizers ``max_steps`` counts every
         optimizer's steps, and how each engine's rounds share them is not known in advance: the finish is
-        placed in the fit's steps, as for one optimizer), placed from the engine's first round
+        placed in the fit's steps, as for one optimizer, and rank 0 also asks for it at that global step,
+        :meth:`_finish_at_step`; a time limit likewise, by the clock), placed from the engine's first round
         (``_first_round``) by the rounds this fit still runs: a new fit starts at round 0, a resumed one at its
         checkpoint's round, so the finish falls where it would have. On
         another world size an epoch-bound fit's steps so far count at the old size's rate (an epoch is
@@ -756,7 +791,8 @@ class ConfiguredStrategy(PartialStrategy[EngineT]):
         trainer = self._trainer
         rounds = trainer.estimated_stepping_batches
         by_steps = trainer.max_steps != -1 and rounds >= trainer.max_steps
-        first = first_sync_round(self.final_sync, rounds, owner=self.strategy_name, rank=self.global_rank)
+        first = first_sync_round(self.final_sync, rounds, owner=self.strategy_name, rank=self.global_rank,
+                                 by_time=self.finish_by_time and _compat.step_timer_budget(trainer) is not None)
         if first is None:
             return None
         done = trainer.global_step

@@ -160,6 +160,7 @@ def main() -> None:
 
         def __init__(self) -> None:
             self.at_batch_end: list[int] = []
+            self.rounds: dict[str, list[list]] = {}
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             SPY["active"] = True
@@ -174,6 +175,13 @@ def main() -> None:
 
         def on_train_end(self, trainer, pl_module):
             SPY["active"] = False
+
+        def on_train_start(self, trainer, pl_module):
+            # Every round each engine applied on this rank: [round, synchronous, sync_from].
+            listeners = getattr(trainer.strategy, "round_listeners", None)
+            if listeners is not None:
+                listeners.append(lambda index, stats: self.rounds.setdefault(str(index), []).append(
+                    [stats.round_index, stats.synchronous, getattr(stats, "sync_from", None)]))
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # read at import: size this process's pool too
@@ -219,6 +227,7 @@ def main() -> None:
             "train_rank_mean": float(trainer.callback_metrics.get("train_rank_mean", float("nan"))),
             "global_step": trainer.global_step,
             "skipped_steps": getattr(trainer.strategy, "skipped_steps", 0),
+            "rounds": probe.rounds,
         }
 
     def write(trainer: L.Trainer, record: dict) -> None:

@@ -138,6 +138,20 @@ class SaveAt(L.Callback):
             trainer.save_checkpoint(self.path)
 
 
+class RoundLog(L.Callback):
+    """Every round optimizer 0's engine applied on this rank: ``[round, synchronous, sync_from]`` (the strategy's
+    ``round_listeners``; empty under DDP)."""
+
+    def __init__(self) -> None:
+        self.rounds: list[list[Any]] = []
+
+    def on_train_start(self, trainer, pl_module):
+        listeners = getattr(trainer.strategy, "round_listeners", None)
+        if listeners is not None:
+            listeners.append(lambda index, stats: index == 0 and self.rounds.append(
+                [stats.round_index, stats.synchronous, getattr(stats, "sync_from", None)]))
+
+
 class EpochProbe(L.Callback):
     """Counts the batches and samples of each epoch (abs_sgd: a fast rank draws more samples)."""
 
@@ -326,6 +340,7 @@ def main() -> None:
         saver = SaveAt(args.out / "mid.ckpt", step=args.save_at, epoch=args.save_epoch)
     adaptive = AdaptiveBatchSize(window=4, min_batch_size=2) if args.adaptive else None  # BatchNorm needs 2
     epochs = EpochProbe()
+    rounds = RoundLog()
     checkpoints = None
     if args.checkpoint_every is not None:
         from lightning.pytorch.callbacks import ModelCheckpoint
@@ -338,7 +353,7 @@ def main() -> None:
 
         time_checkpoints = ModelCheckpoint(dirpath=args.out / "ckpt_time", save_top_k=-1,
                                            train_time_interval=timedelta(seconds=args.checkpoint_seconds))
-    callbacks = [c for c in (probe, imbalance, tracker, rotation, saver, adaptive, epochs, checkpoints,
+    callbacks = [c for c in (probe, imbalance, tracker, rotation, saver, adaptive, epochs, rounds, checkpoints,
                              time_checkpoints) if c is not None]
 
     def write_stopped(trainer: L.Trainer) -> None:
@@ -387,6 +402,7 @@ def main() -> None:
         last = getattr(trainer.strategy, "round_stats", {}).get(0)
         record["last_round"] = {"round": last.round_index, "flush": last.flush,
                                 "contributions": last.contributions} if last is not None else None
+        record["rounds"] = rounds.rounds
         lags = getattr(trainer.strategy, "step_lags", None)
         if lags is not None:
             record["step_lags"] = {str(lag): n for lag, n in lags.histogram(0).items()}
