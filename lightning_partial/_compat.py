@@ -147,19 +147,26 @@ def can_stop_early(trainer: Any) -> bool:
     return bool(getattr(trainer.fit_loop, "_can_stop_early", True))
 
 
+def _step_timers(trainer: Any) -> list[Any]:
+    """The trainer's ``Timer`` callbacks that check their limit at every batch end (the one ``max_time`` adds)."""
+    from lightning.pytorch.callbacks.timer import Interval, Timer
+
+    return [
+        callback for callback in getattr(trainer, "callbacks", [])
+        if isinstance(callback, Timer) and getattr(callback, "_interval", None) == Interval.step
+        and getattr(callback, "_duration", None) is not None and hasattr(callback, "time_elapsed")
+    ]
+
+
 def step_timer_budget(trainer: Any) -> Optional[tuple[Callable[[], float], float]]:
     """The per-step ``Timer`` of ``Trainer(max_time=...)`` (the shortest, where a user added more): its training
     time elapsed (a callable, in seconds, restored with the Timer's state on a resume) and its duration;
     ``None`` without one."""
-    from lightning.pytorch.callbacks.timer import Interval, Timer
-
-    budgets = [
-        (callback.time_elapsed, float(callback._duration))
-        for callback in getattr(trainer, "callbacks", [])
-        if isinstance(callback, Timer) and getattr(callback, "_interval", None) == Interval.step
-        and getattr(callback, "_duration", None) is not None and hasattr(callback, "time_elapsed")
-    ]
-    return min(budgets, key=lambda budget: budget[1]) if budgets else None
+    timers = _step_timers(trainer)
+    if not timers:
+        return None
+    timer = min(timers, key=lambda t: float(t._duration))
+    return timer.time_elapsed, float(timer._duration)
 
 
 def take_over_step_timers(trainer: Any, request_finish: Callable[[], None]) -> None:
@@ -176,14 +183,9 @@ def take_over_step_timers(trainer: Any, request_finish: Callable[[], None]) -> N
     Timer's other checks (at fit start, ``interval="epoch"``) keep their broadcast:
     every rank makes them at the same point.
     """
-    from lightning.pytorch.callbacks.timer import Interval, Timer
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-    for callback in getattr(trainer, "callbacks", []):
-        if not isinstance(callback, Timer) or getattr(callback, "_interval", None) != Interval.step:
-            continue
-        if getattr(callback, "_duration", None) is None or not hasattr(callback, "time_elapsed"):
-            continue
+    for callback in _step_timers(trainer):
         requested = [False]  # this rank has requested the finish (once per fit)
 
         def on_train_batch_end(trainer: Any, *args: Any, _timer: Any = callback, _requested: list[bool] = requested,

@@ -472,11 +472,6 @@ class PartialAllreduce(RoundRunner):
             self._sync_requested = True
 
     @property
-    def sync_margin(self) -> int:
-        """How many rounds after the round that carries a :meth:`request_sync` the synchronous rounds begin."""
-        return self._sync_margin()
-
-    @property
     def sync_from(self) -> Optional[int]:
         """The first round of the synchronous finish in force: the configuration's ``sync_from`` or a requested
         one (:meth:`request_sync`), whichever comes first; ``None`` while neither is known. A caller that

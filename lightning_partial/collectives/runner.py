@@ -251,7 +251,7 @@ class RoundRunner(EngineGroups):
             stop=bool(summed[:, header.STOP].any()),
             finish=any(int(f) & header.FINISH_FIT for f in finishing),
             # The first request only (every rank has applied the earlier rounds' the same way).
-            sync_from=r + self._sync_margin() if self._requested_sync_from is None and any(
+            sync_from=r + self.sync_margin if self._requested_sync_from is None and any(
                 int(f) & header.FINISH_SYNC for f in finishing) else None,
             announced=functools.reduce(operator.or_, (int(a) for a in summed[:, header.ANNOUNCED].tolist()), 0),
             contributions=int(sum(counts)),
@@ -277,7 +277,8 @@ class RoundRunner(EngineGroups):
         requested = self._requested_sync_from
         return self.config.is_sync_round(round_index) or (requested is not None and round_index >= requested)
 
-    def _sync_margin(self) -> int:
+    @property
+    def sync_margin(self) -> int:
         """How many rounds after the round that carries a ``request_sync`` the synchronous rounds begin.
 
         Every rank must know a round is synchronous before it decides anything about it, and
