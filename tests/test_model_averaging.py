@@ -51,6 +51,9 @@ def test_registry_names():
         (lambda: WAGMAStrategy(order="reference"), "unknown order 'reference'"),
         (lambda: DSSyncStrategy(order="before"), "unknown order 'before'"),
         (lambda: DSSyncStrategy(measure_every=0), "measure_every"),
+        (lambda: DSSyncStrategy(average_every=0), "average_every must be an int >= 1"),
+        (lambda: WAGMAStrategy(average_every=2.5), "average_every must be an int >= 1"),
+        (lambda: WAGMAStrategy(average_every=2, finish="gradients"), "needs a round every step"),
         (lambda: GroupRotation(consensus_every=0), "consensus_every"),
         (lambda: GroupRotation(switch_at={0: ShuffleSchedule(world_size=4, num_groups=2)}), "switch_at"),
     ],
@@ -145,6 +148,60 @@ def test_fit_under_imbalance(tmp_path, strategy, schedule):
     header = (out / "csv" / "fit" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     for column in ("groups/group_id", "groups/members", "groups/consensus", "partial/fresh"):
         assert column in header
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy, options", [
+    ("wagma_sgd", {"average_every": 4}),
+    ("ds_sync", {"average_every": 4, "order": "average_then_step"}),
+])
+def test_local_steps_join_every_nth_round_and_the_finish_keeps_the_period(tmp_path, strategy, options):
+    """``average_every=4``, 30 steps, one 20 ms straggler per step: every rank joins a round at steps 3, 7, ..., 27
+    only (rounds 0-6; the steps between are local). The synchronous finish (``final_sync=0.25``: steps 22-29) keeps
+    the period: its rounds, 5 and 6 (steps 23 and 27), are synchronous global averages; ``wagma_sgd``'s
+    ``global_every=5`` counts rounds (round 4 is global). The same rounds at the same steps on every rank, and the
+    final average leaves the replicas bit-identical. Without local steps every step is a round
+    (test_fit_under_imbalance)."""
+    out = tmp_path / strategy
+    records = run_fit(out, strategy, "--straggle-ms", "20", "--steps", "30", "--rotation", "5", "--track",
+                      "--strategy-kw", json.dumps({**options, "final_sync": 0.25}))
+    global_rounds = [4, 5, 6] if strategy == "wagma_sgd" else [5, 6]
+    for record in records:
+        assert record["update_rule"]["average_every"] == 4
+        # GroupRotation's step: the steps taken with this one (steps 3, 7, ... counted from 0).
+        assert [(g["step"], g["round_index"]) for g in record["groups"]] == [
+            (4, 0), (8, 1), (12, 2), (16, 3), (20, 4), (24, 5), (28, 6)]
+        assert [g["round_index"] for g in record["groups"] if g["group_id"] == -1] == global_rounds
+        assert [r[1] for r in record["rounds"]] == [r in global_rounds for r in range(7)]  # synchronous ones
+    assert len({json.dumps([g["consensus"] for g in r["groups"]]) for r in records}) == 1  # measured alike
+    assert_identical(out)
+
+
+@pytest.mark.timeout(300)
+def test_a_fit_resumed_inside_a_period_of_local_steps_joins_the_rounds_at_the_same_steps(tmp_path):
+    """``average_every=4`` and ``final_sync=0.25`` of 12 steps (steps 9-11: its round is the one at step 11). The
+    checkpoint saved after step 5 holds each optimizer's local steps since its last round (2: the round was at
+    step 3); the resumed fit joins its rounds at the steps the uninterrupted one did (7, then 11, synchronous),
+    with the same round numbers, where counting its period from the resume would have put them at steps 9
+    (then synchronous) and 13 (after the fit)."""
+    options = json.dumps({"average_every": 4, "final_sync": 0.25})
+    first = tmp_path / "first"
+    uninterrupted = run_fit(first, "wagma_sgd", "--straggle-ms", "10", "--steps", "12", "--save-at", "6",
+                            "--rotation", "1000", "--strategy-kw", options)
+    from lightning_partial.strategies.local_steps import LOCAL_STEPS_KEY
+
+    assert torch.load(first / "mid.ckpt", weights_only=False)[LOCAL_STEPS_KEY] == {0: 2}
+    # (steps taken with the round's, round, group id: -1 global)
+    want = [(4, 0, 1), (8, 1, 1), (12, 2, -1)]
+    for record in uninterrupted:
+        assert [(g["step"], g["round_index"], -1 if g["group_id"] == -1 else 1) for g in record["groups"]] == want
+    second = tmp_path / "second"
+    resumed = run_fit(second, "wagma_sgd", "--straggle-ms", "10", "--steps", "12", "--rotation", "1000",
+                      "--resume", str(first / "mid.ckpt"), "--strategy-kw", options)
+    for record in resumed:
+        assert [(g["step"], g["round_index"], -1 if g["group_id"] == -1 else 1)
+                for g in record["groups"]] == want[1:]
+    assert_identical(second)
 
 
 @pytest.mark.timeout(300)

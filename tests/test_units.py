@@ -600,4 +600,72 @@ def test_the_synchronous_finish_is_the_last_rounds_the_fit_runs(steps_done, firs
 
     strategy = Placed(final_sync=0.05)
     strategy._first_round, strategy._saved_world_size = first_round, saved_world
-    assert strategy._finish_from() == want
+    assert strategy._finish_from(0) == want
+
+
+@pytest.mark.parametrize(
+    "estimated, steps_done, first_round, since, want",
+    [
+        (100, 0, 0, 0, 23),  # a new fit of 100 steps: rounds at steps 3, 7, ..., 91 (0-22) before it, 23 at step 95
+        (100, 50, 12, 2, 23),  # resumed at step 50 (round 11 at step 47; 48 and 49 local): the same round
+        (100, 93, 23, 1, 23),  # resumed between the last round before it and its first step
+        (100, 97, 24, 1, 22),  # inside the finish (round 23 at step 95): below the first round, nothing begun again
+        (97, 50, 12, 2, 23),  # 97 steps, the finish from step 92: round 23 at step 95, the first at or after it
+        (97, 50, 12, 0, 22),  # ... had it counted its period from the resume: round 22 at step 93 (hence the count)
+    ],
+)
+def test_with_local_steps_the_finish_is_the_first_round_at_or_after_its_first_step(estimated, steps_done,
+                                                                                   first_round, since, want):
+    """``average_every=4``, ``final_sync=0.05`` of 100 steps (steps 95-99) or of 97 (92-96): the finish's first
+    round is the first at or after its first step; a resumed fit places it by where it stands in its period."""
+    from types import SimpleNamespace
+
+    from lightning_partial import DSSyncStrategy
+
+    class Placed(DSSyncStrategy):
+        @property
+        def _trainer(self):
+            return SimpleNamespace(estimated_stepping_batches=estimated, max_steps=-1, global_step=steps_done)
+
+        @property
+        def world_size(self) -> int:
+            return 4
+
+    strategy = Placed(final_sync=0.05, average_every=4)
+    strategy._first_round, strategy._saved_world_size = first_round, 4
+    strategy._local_steps._since = {0: since}
+    assert strategy._finish_from(0) == want
+
+
+def test_local_steps_count_each_optimizers_period_and_survive_a_checkpoint():
+    """``average_every=3``: steps 2, 5, ... join the round; ``rounds_in`` counts the rounds of the next steps from
+    where the period stands (negative, inside the finish: as many below);
+    a checkpoint keeps the counts where a period is under way, and :meth:`begin` (not ``reset``) takes them up."""
+    from lightning_partial.strategies.local_steps import LOCAL_STEPS_KEY, LocalSteps
+
+    local = LocalSteps(3)
+    local.begin()
+    joined = []
+    for _ in range(7):
+        joined.append(local.joins_round(0))
+        local.stepped(0, averaged=joined[-1])
+    assert joined == [False, False, True, False, False, True, False]
+    assert local.since(0) == 1 and local.since(1) == 0
+    assert [local.rounds_in(0, n) for n in (0, 1, 2, 4, 5, -2)] == [0, 0, 1, 1, 2, -2]
+    checkpoint: dict = {}
+    local.save(checkpoint)
+    assert checkpoint == {LOCAL_STEPS_KEY: {0: 1}}
+    resumed = LocalSteps(3)
+    resumed.load(checkpoint)
+    resumed.reset({})  # after the engines are built: nothing to take up there
+    assert resumed.since(0) == 0
+    resumed.begin()
+    assert resumed.since(0) == 1
+    again = LocalSteps(3)
+    again.load(checkpoint)
+    again.forget_loaded()  # loaded to validate: not for a later fit
+    again.begin()
+    assert again.since(0) == 0
+    empty: dict = {}
+    LocalSteps(3).save(empty)
+    assert empty == {}

@@ -41,7 +41,12 @@ for 3 of the 4 ranks); weight prediction off (the strategy's default is on):
 ``ds_sync_no_scaling_imbalanced`` (``adaptive_scaling="none"``: meaningful with
 ``--optimizer adamw``, where the default rescales the local Adam steps);
 ``wagma_sgd_global5_imbalanced`` and ``wagma_sgd_global10_imbalanced`` (``global_every``
-5, the default, and 10); overlapped rounds
+5, the default, and 10); local steps between the rounds (``average_every=4``,
+``docs/staleness.md#local-steps-between-rounds``): ``global_local4_imbalanced``
+(``WAGMAStrategy(group_size=4, global_every=None, average_every=4)``: wait-avoiding local SGD, one
+group of every rank), ``global_local4_s2_imbalanced`` (the same, ``max_staleness=2``),
+``wagma_sgd_local4_imbalanced`` and ``ds_sync_local4_imbalanced`` (each strategy's defaults with
+``average_every=4``); overlapped rounds
 (``overlap=True``, ``docs/staleness.md#overlapped-rounds``): ``eager_sgd_overlap_imbalanced``
 (re-timed), ``eager_sgd_overlap_inverse_imbalanced`` (rule ``"inverse"``: not re-timed),
 ``eager_sgd_overlap_unbounded_imbalanced``, ``eager_sgd_overlap_s4_imbalanced``,

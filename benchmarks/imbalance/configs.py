@@ -104,6 +104,19 @@ CONFIGS: dict[str, Config] = {
                ("final_sync", 0.0)),
         Config("wagma_sgd_imbalanced", "wagma_sgd", True, "WAGMA-SGD (S=2, tau=5)"),
         Config("ds_sync_imbalanced", "ds_sync", True, "DS-Sync (G=2, max_staleness=1)"),
+        # Local steps between the rounds (average_every): a rank joins a round every 4th optimizer step, so its
+        # communication per sample falls by 4; with one group of all ranks (group_size=P, no periodic global
+        # average), local SGD with wait-avoiding global averages; and each strategy's defaults with local steps.
+        Config("global_local4_imbalanced", "wagma_sgd", True, "wait-avoiding local SGD (S=P, average_every=4)",
+               (("group_size", WORLD), ("global_every", None), ("average_every", 4)), default=False),
+        Config("global_local4_s2_imbalanced", "wagma_sgd", True,
+               "wait-avoiding local SGD (S=P, average_every=4, max_staleness=2)",
+               (("group_size", WORLD), ("global_every", None), ("average_every", 4), ("max_staleness", 2)),
+               default=False),
+        Config("wagma_sgd_local4_imbalanced", "wagma_sgd", True, "WAGMA-SGD (S=2, tau=5), average_every=4",
+               (("average_every", 4),), default=False),
+        Config("ds_sync_local4_imbalanced", "ds_sync", True, "DS-Sync (G=2, max_staleness=1), average_every=4",
+               (("average_every", 4),), default=False),
         # DS-Sync's default bound is 1 round; a bound of 4 for the throughput it gives up.
         Config("ds_sync_s4_imbalanced", "ds_sync", True, "DS-Sync (G=2, max_staleness=4)", (("max_staleness", 4),)),
         # Adaptive scaling (the default with Adam-family optimizers; nothing under SGD) off.

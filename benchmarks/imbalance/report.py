@@ -35,9 +35,12 @@ def _replica_check(config: Config, ranks: list[dict], args: argparse.Namespace) 
         # As the fit ran (its record); records from before the worker kept it ran WAGMA's earlier default, 10.
         tau = ranks[0].get("global_every", 10)
         extra["global_every"] = tau  # a field, for the README's row (results_table.wagma_period)
-        expected = [tau is not None and (i + 1) % tau == 0 for i in range(n)]
-        rule = (f"identical after every {tau}th step (global average, tau={tau}); within groups otherwise"
-                if tau is not None else "identical only after the final average (global_every=None)")
+        every = ranks[0].get("average_every", 1)  # optimizer steps per round
+        expected = [tau is not None and (i + 1) % (tau * every) == 0 for i in range(n)]
+        rule = (f"identical after every {tau * every}th step (global average, tau={tau} rounds of {every} steps); "
+                "within groups otherwise" if tau is not None
+                else "identical only after the final average (global_every=None; a solo round of one group of "
+                "every rank that finds every rank fresh also leaves them identical)")
     elif config.strategy == "ds_sync":
         expected = [False] * n
         rule = "identical only after the final average (no periodic global average)"

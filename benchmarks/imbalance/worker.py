@@ -452,6 +452,8 @@ def run_worker(args: argparse.Namespace) -> int:
         "strategy_class": type(trainer.strategy).__name__,
         # The model-averaging strategies' period of the global average, as the fit ran (the replica check's).
         "global_every": getattr(trainer.strategy, "global_every", None),
+        # Optimizer steps per round (model averaging's local steps; 1: a round every step).
+        "average_every": getattr(trainer.strategy, "average_every", 1),
         "torch_threads": torch.get_num_threads(),  # as the fit ran: --threads
         "default_group_collectives": dict(counter.calls),
         "collectives_at_batch_end": recorder.collectives_at_batch_end,

@@ -43,7 +43,8 @@ before any batch runs, by :func:`resume_entry`):
   handler): refused (its pending gradients are not a consistent cut).
 * **No engine state** (a file written by ``ddp`` or another Lightning strategy):
   the engines start afresh, nothing pending, their rounds numbered on from the
-  fit's step (``eager_sgd``, ``wagma_sgd``, ``ds_sync``: a round per step) or from 0 (``abs_sgd``).
+  fit's step (``eager_sgd``, ``wagma_sgd``, ``ds_sync``: a round per step, or per ``average_every`` steps)
+  or from 0 (``abs_sgd``).
 
 Writing the file (rank 0, :func:`write_checkpoint`): with the default
 ``TorchCheckpointIO`` and a local path, the checkpoint is written to a temporary
@@ -294,7 +295,8 @@ def drop_engine_state(src: _PATH, dst: _PATH) -> int:
 
     The explicit way to resume a checkpoint under a strategy of another family
     (see :func:`resume_entry`): the weights, optimizer and loop state are kept, the
-    engines start afresh (their rounds numbered on from the fit's step) and the pending gradients are lost (with
+    engines start afresh (their rounds numbered on from the fit's step, a round per step or per ``average_every``)
+    and the pending gradients are lost (with
     ``eager_sgd``'s ``overlap``, the round results saved unapplied too). ``src`` is
     not modified; ``dst`` is written atomically (:func:`save_atomically`).
     """

@@ -290,7 +290,7 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
     def _build_engine(self, index: int, params: list[torch.nn.Parameter], store: dist.Store) -> PartialAllreduce:
         return PartialAllreduce(
             # Resolved in setup(), which every fit runs before on_train_start builds the engines.
-            self._round_config(name=f"eager_sgd-{index}", staleness=self._staleness[index]),
+            self._round_config(index, name=f"eager_sgd-{index}", staleness=self._staleness[index]),
             store=store,
             rank=self.global_rank,
             world_size=self.world_size,

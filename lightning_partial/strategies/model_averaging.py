@@ -13,6 +13,8 @@ for set-up, SIGTERM, checkpoints and the end of fit. Specific to model averaging
   pre-average model. The engine's communication thread runs the header
   allreduce (gloo, all ranks) and the group's point-to-point exchange on the
   engine's data group.
+* With ``average_every=H`` (:mod:`~lightning_partial.strategies.local_steps`) only every ``H``-th
+  optimizer step joins the round; the steps between are local, with no collective.
 * Every ``global_every``-th round, and the final flush at the end of fit, is a
   synchronous global average (allreduce over all ranks): afterwards all
   replicas are identical (with ``order="average_then_step"``, until each
@@ -55,7 +57,9 @@ from lightning_partial.collectives.schedules import Schedule
 from lightning_partial.strategies import adaptive_scaling as scaling_rule
 from lightning_partial.strategies import gradient_finish as finish_rule
 from lightning_partial.strategies.adaptive_scaling import GlobalBatchScaling
+from lightning_partial.strategies.fit_state import FitState
 from lightning_partial.strategies.gradient_finish import GradientFinish
+from lightning_partial.strategies.local_steps import LocalSteps, check_average_every
 from lightning_partial.strategies.options import ScheduleSource, StrategyOptions
 from lightning_partial.strategies.partial import ConfiguredStrategy, StepModel
 
@@ -88,6 +92,13 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         global_every: every ``global_every``-th round is a synchronous global
             average (``None``: only the final one): ``global_every - 1`` group
             rounds, then a global one.
+        average_every: a round every ``average_every``-th optimizer step (``1``, the default: every
+            step, the papers'); the steps between are local, on the rank's own gradients, with no
+            collective (local SGD with wait-avoiding averages: a rank's communication per sample falls
+            by this factor). The synchronous finish keeps the period (its rounds are synchronous global
+            averages); ``finish="gradients"`` needs ``average_every=1``.
+            ``max_staleness``, ``global_every``, ``measure_every`` and the schedules count rounds
+            (:mod:`~lightning_partial.strategies.local_steps`).
         order: ``"step_then_average"`` (default: the local step, then the average
             of the stepped model) or ``"average_then_step"`` (the WAGMA reference
             code: the average of the pre-step model, then the local gradient; the
@@ -137,6 +148,7 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         late: str = "damp",
         stale: str = "skip",
         global_every: Optional[int] = None,
+        average_every: int = 1,
         order: str = "step_then_average",
         max_staleness: Optional[int] = None,
         measure_every: Optional[int] = None,
@@ -160,6 +172,13 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         if stale not in STALE_POLICIES:
             raise ValueError(f"unknown stale policy {stale!r}: expected one of {', '.join(STALE_POLICIES)}")
         check_int("global_every (tau)", global_every, optional=True)
+        self.average_every = check_average_every(average_every, owner=self.strategy_name)
+        if self.average_every > 1 and self.finish == "gradients" and self.final_sync > 0:
+            raise ValueError(
+                f"{self.strategy_name}: finish='gradients' takes DDP's step at every step of the finish, which "
+                f"needs a round every step; with average_every={average_every} the finish keeps the period "
+                "(synchronous global averages): use finish='models' (the default)"
+            )
         check_int("measure_every", measure_every, optional=True)
         if schedule is not None and not (isinstance(schedule, Schedule) or callable(schedule)):
             raise ValueError(f"schedule must be a Schedule or a callable world_size -> Schedule, got {schedule!r}")
@@ -190,6 +209,7 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         # Likewise the indices whose finish rounds take DDP's step (finish="gradients").
         self._ddp_finish: set[int] = set()
         self._gradient_finish: Optional[GradientFinish] = None
+        self._local_steps = LocalSteps(self.average_every)
 
     # ------------------------------------------------------------ schedule
     def default_schedule(self, world_size: int) -> Schedule:
@@ -247,7 +267,34 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         indices = range(max(len(self.optimizers), 1))
         settings["adaptive_scaling"] = ",".join("global_batch" if i in self._scaled else "none" for i in indices)
         settings["finish"] = ",".join("gradients" if i in self._ddp_finish else "models" for i in indices)
+        settings["average_every"] = self.average_every
         return settings
+
+    # ---------------------------------------------------------- local steps
+    @override
+    def _fit_states(self) -> list[FitState]:
+        states = super()._fit_states()
+        return [*states, self._local_steps] if self.average_every > 1 else states
+
+    @override
+    def _start_engines(self, trainer: "pl.Trainer") -> None:
+        # Before the engines are built: where each optimizer resumes in its period places the finish's round.
+        self._local_steps.begin()
+        super()._start_engines(trainer)
+
+    @property
+    @override
+    def _steps_per_round(self) -> int:
+        return self.average_every
+
+    @override
+    def _rounds_in(self, index: int, steps: int) -> int:
+        return self._local_steps.rounds_in(index, steps)
+
+    @override
+    def _first_round_without_state(self, trainer: "pl.Trainer") -> int:
+        """Resumed without engine state: a round per ``average_every`` of the steps so far."""
+        return trainer.global_step // self.average_every
 
     @override
     def _release_fit(self) -> None:
@@ -267,7 +314,7 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         if self.schedule is None:
             self.schedule = self.build_schedule(self.world_size)
         return GroupAverage(
-            self._round_config(name=f"{self.strategy_name}-{index}"),
+            self._round_config(index, name=f"{self.strategy_name}-{index}"),
             schedule=self.schedule,
             store=store,
             rank=self.global_rank,
@@ -280,7 +327,8 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
     @override
     def _engine_step(self, index: int, optimizer: Optimizer, closure: Callable[[], Any], model: StepModel,
                      kwargs: dict[str, Any]) -> Any:
-        """The local step on local gradients and this round's group average of the parameters, in ``order``.
+        """The local step on local gradients and this round's group average of the parameters, in ``order``
+        (only the local step where ``average_every`` makes this step a local one).
 
         With ``adaptive_scaling`` in force for this optimizer, the weights are noted
         once the closure has run (and, in ``average_then_step``, averaged): right
@@ -295,8 +343,11 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         engine = self._engines[index]
         round_index = engine.step
         sync_from = engine.sync_from  # configured, or requested by a time limit (known from its round on)
+        # Every rank decides alike: the same count of local steps since the engine's last round.
+        averaging = self._local_steps.joins_round(index)
+        average_first = average_first and averaging
         gradients = (self._gradient_finish if index in self._ddp_finish and sync_from is not None
-                     and round_index >= sync_from else None)
+                     and round_index >= sync_from else None)  # (a round every step: average_every=1)
         # DDP's step in the finish: the gradient is the global batch's, nothing to rescale.
         scaling = self._scaling if index in self._scaled and gradients is None else None
 
@@ -323,8 +374,9 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         output = self._lightning_step(optimizer, closure_then_prepare if needs_wrap else closure, model, kwargs)
         if scaling is not None:
             scaling.finish(index, raw, params)
-        if not average_first:
+        if averaging and not average_first:
             self._average(index)
+        self._local_steps.stepped(index, averaged=averaging)
         return output
 
     def _average(self, index: int) -> None:

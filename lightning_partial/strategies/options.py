@@ -55,6 +55,7 @@ class AveragingOptions(StrategyOptions, total=False):
     late: str
     stale: str
     order: str
+    average_every: int
     measure_every: Optional[int]
     adaptive_scaling: str
     final_sync: float

@@ -431,7 +431,8 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         so no engine knows in advance which of its rounds are the fit's last); else ``None``.
 
         The last ``final_sync`` of ``max_steps``, moved earlier by the request's margin (``max_staleness + 2``
-        rounds) at one round per optimizer and batch, so that an engine stepping every batch has its share
+        rounds of :attr:`_steps_per_round` steps, and the steps until the next round) at one round per optimizer
+        and batch, so that an engine stepping every batch has its share
         of the finish; one that steps rarely has fewer rounds in it. Never reached where the epochs end the
         fit first (their finish is placed in the engines' rounds as for one optimizer).
         """
@@ -441,8 +442,13 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             return None
         first = first_sync_round(self.final_sync, trainer.max_steps, owner=self.strategy_name, rank=self.global_rank)
         assert first is not None  # max_steps >= 1, final_sync > 0
-        margin = max(engine.sync_margin for engine in self._engines.values())
+        margin = (max(engine.sync_margin for engine in self._engines.values()) + 1) * self._steps_per_round - 1
         return max(0, first - optimizers * margin)
+
+    @property
+    def _steps_per_round(self) -> int:
+        """An engine's round comes every this many of its optimizer's steps (model averaging's ``average_every``)."""
+        return 1
 
     def _request_sync(self) -> None:
         """Rank 0, main thread, at a batch start once ``1 - final_sync`` of ``max_time`` has passed (or at
@@ -715,6 +721,8 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         what the fit holds is released (:meth:`_release_fit`, the engines, the store)."""
         self._end_a_fit_without_batches()
         self._resume_state = None  # a checkpoint's engine state is for the fit that loaded it, used or not
+        for state in self._fit_states():
+            state.forget_loaded()  # likewise its fit states (a fit that failed before on_train_start left them)
         self._release_fit()
         self._close_engines()
         self._release_store(agreed=False)
@@ -765,19 +773,27 @@ class ConfiguredStrategy(PartialStrategy[EngineT]):
 
     partial_config: PartialAllreduceConfig
 
-    def _round_config(self, **changes: Any) -> PartialAllreduceConfig:
-        """The engine's configuration for this fit: :attr:`partial_config`, ``changes``, and ``sync_from``.
+    def _round_config(self, index: int, **changes: Any) -> PartialAllreduceConfig:
+        """The configuration of optimizer ``index``'s engine for this fit: :attr:`partial_config`, ``changes``,
+        and ``sync_from``.
 
         ``sync_from`` places the synchronous finish (``final_sync``) against
         ``trainer.estimated_stepping_batches``: the same round on every rank.
         """
-        return replace(self.partial_config, sync_from=self._finish_from(), **changes)
+        return replace(self.partial_config, sync_from=self._finish_from(index), **changes)
 
-    def _finish_from(self) -> Optional[int]:
-        """The first round of the synchronous finish of the engine being built (``None``: no finish).
+    def _rounds_in(self, index: int, steps: int) -> int:
+        """The rounds of optimizer ``index``'s engine in its next ``steps`` optimizer steps (negative: back
+        into the finish): one per step here (model averaging's local steps join fewer)."""
+        return steps
 
-        The last ``final_sync`` of the fit's rounds, as ``trainer.estimated_stepping_batches`` counts them (a
-        round per optimizer step; under manual optimization with several optimizers ``max_steps`` counts every
+    def _finish_from(self, index: int) -> Optional[int]:
+        """The first round of the synchronous finish of optimizer ``index``'s engine (``None``: no finish).
+
+        The last ``final_sync`` of the fit's optimizer steps, as ``trainer.estimated_stepping_batches`` counts
+        them (a round per optimizer step, or per ``average_every`` steps under model averaging's local steps,
+        :meth:`_rounds_in`;
+        under manual optimization with several optimizers ``max_steps`` counts every
         optimizer's steps, and how each engine's rounds share them is not known in advance: the finish is
         placed in the fit's steps, as for one optimizer, and rank 0 also asks for it at that global step,
         :meth:`_finish_at_step`; a time limit likewise, by the clock), placed from the engine's first round
@@ -798,16 +814,18 @@ class ConfiguredStrategy(PartialStrategy[EngineT]):
         done = trainer.global_step
         if not by_steps and self._saved_world_size != self.world_size:
             done = round(done * self._saved_world_size / self.world_size)
-        left = max(0, int(rounds) - done)
+        ahead = max(0, int(rounds) - done) - (int(rounds) - first)  # optimizer steps until the finish
         # Below the first round where the fit resumed inside its finish: the same index as the fit that saved
-        # it (model averaging's finish="gradients" starts its finish once, at that round).
-        return max(0, self._first_round + left - (int(rounds) - first))
+        # it with a round per step (model averaging's finish="gradients" starts its finish once, at that round),
+        # at or below it with local steps (average_every, which refuses finish="gradients").
+        return max(0, self._first_round + self._rounds_in(index, ahead))
 
     @override
     def _first_round_without_state(self, trainer: "pl.Trainer") -> int:
         """A round per optimizer step: a fit resumed at ``global_step`` without engine state numbers its rounds on
         from there, as with the state, so that the finish (``sync_from``), ``sync_every`` and the group schedules
-        fall at the same steps as in the fit that saved it."""
+        fall at the same steps as in the fit that saved it (model averaging's local steps: a round per
+        ``average_every`` steps)."""
         return trainer.global_step
 
     @property
