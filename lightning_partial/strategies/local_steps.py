@@ -35,19 +35,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from lightning_partial.collectives.checks import is_int_at_least
 from lightning_partial.strategies.fit_state import CheckpointedState
 
 #: The checkpoint key of the steps each optimizer took since its engine's last round.
 LOCAL_STEPS_KEY = "lightning_partial_local_steps"
-
-
-def check_average_every(value: object, *, owner: str) -> int:
-    """``value`` as an int >= 1; raises ``ValueError`` naming ``average_every`` otherwise."""
-    if not is_int_at_least(value, 1):
-        raise ValueError(f"{owner}: average_every must be an int >= 1 (optimizer steps per round; 1: a round "
-                         f"every step, the papers'), got {value!r}")
-    return int(value)  # type: ignore[call-overload]
 
 
 class LocalSteps(CheckpointedState):

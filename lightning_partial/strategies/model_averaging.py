@@ -59,7 +59,7 @@ from lightning_partial.strategies import gradient_finish as finish_rule
 from lightning_partial.strategies.adaptive_scaling import GlobalBatchScaling
 from lightning_partial.strategies.fit_state import FitState
 from lightning_partial.strategies.gradient_finish import GradientFinish
-from lightning_partial.strategies.local_steps import LocalSteps, check_average_every
+from lightning_partial.strategies.local_steps import LocalSteps
 from lightning_partial.strategies.options import ScheduleSource, StrategyOptions
 from lightning_partial.strategies.partial import ConfiguredStrategy, StepModel
 
@@ -172,7 +172,8 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         if stale not in STALE_POLICIES:
             raise ValueError(f"unknown stale policy {stale!r}: expected one of {', '.join(STALE_POLICIES)}")
         check_int("global_every (tau)", global_every, optional=True)
-        self.average_every = check_average_every(average_every, owner=self.strategy_name)
+        check_int("average_every", average_every, owner=self.strategy_name)
+        self.average_every = int(average_every)
         if self.average_every > 1 and self.finish == "gradients" and self.final_sync > 0:
             raise ValueError(
                 f"{self.strategy_name}: finish='gradients' takes DDP's step at every step of the finish, which "
@@ -292,11 +293,6 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         return self._local_steps.rounds_in(index, steps)
 
     @override
-    def _first_round_without_state(self, trainer: "pl.Trainer") -> int:
-        """Resumed without engine state: a round per ``average_every`` of the steps so far."""
-        return trainer.global_step // self.average_every
-
-    @override
     def _release_fit(self) -> None:
         self._scaling = None  # its copy of the weights is not needed after the fit
         self._gradient_finish = None  # holds the collective group
@@ -339,13 +335,12 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         """
         params = self._params[index]
         raw = self.optimizers[index]
-        average_first = self.order == "average_then_step"
+        # Every rank decides alike: the same count of local steps since the engine's last round.
+        averaging = self._local_steps.joins_round(index)
+        average_first = averaging and self.order == "average_then_step"
         engine = self._engines[index]
         round_index = engine.step
         sync_from = engine.sync_from  # configured, or requested by a time limit (known from its round on)
-        # Every rank decides alike: the same count of local steps since the engine's last round.
-        averaging = self._local_steps.joins_round(index)
-        average_first = average_first and averaging
         gradients = (self._gradient_finish if index in self._ddp_finish and sync_from is not None
                      and round_index >= sync_from else None)  # (a round every step: average_every=1)
         # DDP's step in the finish: the gradient is the global batch's, nothing to rescale.

@@ -822,11 +822,10 @@ class ConfiguredStrategy(PartialStrategy[EngineT]):
 
     @override
     def _first_round_without_state(self, trainer: "pl.Trainer") -> int:
-        """A round per optimizer step: a fit resumed at ``global_step`` without engine state numbers its rounds on
-        from there, as with the state, so that the finish (``sync_from``), ``sync_every`` and the group schedules
-        fall at the same steps as in the fit that saved it (model averaging's local steps: a round per
-        ``average_every`` steps)."""
-        return trainer.global_step
+        """A round per optimizer step (per :attr:`_steps_per_round`): a fit resumed at ``global_step`` without
+        engine state numbers its rounds on from there, as with the state, so that the finish (``sync_from``),
+        ``sync_every`` and the group schedules fall at the same steps as in the fit that saved it."""
+        return trainer.global_step // self._steps_per_round
 
     @property
     @override
