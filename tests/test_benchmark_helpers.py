@@ -153,6 +153,28 @@ def test_the_wagma_replica_check_follows_the_global_period_the_fit_ran():
     assert "global_every" not in _replica_check(CONFIGS["ds_sync_imbalanced"], ranks(5, 5), args)
 
 
+def test_the_replica_check_of_one_group_of_every_rank_follows_what_activates_its_rounds():
+    from benchmarks.imbalance import runner
+    from benchmarks.imbalance.configs import CONFIGS
+    from benchmarks.imbalance.report import _replica_check
+
+    def ok(name: str, identical_at: set[int], mode: str, group_size: int | None = 4) -> bool:
+        records = [{"digests": [0.0 if i in identical_at else float(r + i) for i in range(16)], "final_digest": 1.0,
+                    "global_every": None, "average_every": 4, "mode": mode, "group_size": group_size}
+                   for r in range(4)]
+        return _replica_check(CONFIGS[name], records, runner.parse_args([]))["ok"]
+
+    # Synchronous rounds of every rank, every 4th step: identical after each round's step, apart between.
+    assert ok("global_local4_sync_imbalanced", {3, 7, 11, 15}, "sync")
+    assert not ok("global_local4_sync_imbalanced", {3, 7, 11}, "sync")  # a round that left them apart
+    # Solo rounds: identical only after a round that found every rank fresh, never after a local step.
+    assert ok("global_local4_imbalanced", {7}, "solo") and ok("global_local4_imbalanced", set(), "solo")
+    assert not ok("global_local4_imbalanced", {5}, "solo")
+    # Groups smaller than the world and no global period: never identical before the final average.
+    assert not ok("wagma_sgd_local4_imbalanced", {7}, "solo", group_size=None)
+    assert ok("wagma_sgd_local4_imbalanced", set(), "solo", group_size=None)
+
+
 def test_abs_sgd_runs_at_the_strategy_defaults_unless_told_and_bad_sample_options_fail():
     args = heterogeneity.build_parser().parse_args([])
     assert (args.target_samples, args.reference_samples, args.step_samples) == (None, "global_batch", "global_batch")

@@ -178,6 +178,27 @@ def test_local_steps_join_every_nth_round_and_the_finish_keeps_the_period(tmp_pa
 
 
 @pytest.mark.timeout(300)
+def test_local_steps_with_a_backup_worker_average_all_but_one_rank_in_every_round(tmp_path):
+    """One group of every rank (``group_size=4``, no periodic global average), a round every 4th step,
+    ``mode="quorum", backup_workers=1``: a round activates once 3 of the 4 ranks have arrived, so each of its
+    averages holds at least 3 models of the round itself (solo rounds of the same group often hold one, the rest
+    late); the synchronous finish (``final_sync=0.25``: rounds 5 and 6) holds all 4; the replicas end
+    bit-identical."""
+    out = tmp_path / "quorum"
+    records = run_fit(out, "wagma_sgd", "--straggle-ms", "20", "--steps", "30", "--strategy-kw",
+                      json.dumps({"group_size": 4, "global_every": None, "average_every": 4, "mode": "quorum",
+                                  "backup_workers": 1, "final_sync": 0.25}))
+    for record in records:
+        assert [r[0] for r in record["rounds"]] == list(range(7))
+        members = record["round_members"]  # per round: [averaged, fresh]
+        assert all(len(fresh) >= 3 and set(fresh) <= set(averaged) for averaged, fresh in members), members
+        assert [len(fresh) for _, fresh in members[5:]] == [4, 4] and all(r[1] for r in record["rounds"][5:])
+    # Every member saw the same rounds (one group: the same members too).
+    assert len({json.dumps([r["rounds"], r["round_members"]]) for r in records}) == 1
+    assert_identical(out)
+
+
+@pytest.mark.timeout(300)
 def test_a_fit_resumed_inside_a_period_of_local_steps_joins_the_rounds_at_the_same_steps(tmp_path):
     """``average_every=4`` and ``final_sync=0.25`` of 12 steps (steps 9-11: its round is the one at step 11). The
     checkpoint saved after step 5 holds each optimizer's local steps since its last round (2: the round was at

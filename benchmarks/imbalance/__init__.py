@@ -46,7 +46,11 @@ for 3 of the 4 ranks); weight prediction off (the strategy's default is on):
 (``WAGMAStrategy(group_size=4, global_every=None, average_every=4)``: wait-avoiding local SGD, one
 group of every rank), ``global_local4_s2_imbalanced`` (the same, ``max_staleness=2``),
 ``wagma_sgd_local4_imbalanced`` and ``ds_sync_local4_imbalanced`` (each strategy's defaults with
-``average_every=4``); overlapped rounds
+``average_every=4``), and what activates the one group's rounds
+(``docs/staleness.md#what-activates-the-rounds-of-local-steps``): ``global_local4_majority_imbalanced``,
+``global_local4_quorum3_imbalanced`` (``mode="quorum", quorum=3``: ``backup_workers=1`` at 4 ranks),
+``global_local4_sync_imbalanced`` and ``global_local4_sync_s1_imbalanced`` (``mode="sync"``, the
+latter with ``max_staleness=1``); overlapped rounds
 (``overlap=True``, ``docs/staleness.md#overlapped-rounds``): ``eager_sgd_overlap_imbalanced``
 (re-timed), ``eager_sgd_overlap_inverse_imbalanced`` (rule ``"inverse"``: not re-timed),
 ``eager_sgd_overlap_unbounded_imbalanced``, ``eager_sgd_overlap_s4_imbalanced``,

@@ -36,11 +36,28 @@ def _replica_check(config: Config, ranks: list[dict], args: argparse.Namespace) 
         tau = ranks[0].get("global_every", 10)
         extra["global_every"] = tau  # a field, for the README's row (results_table.wagma_period)
         every = ranks[0].get("average_every", 1)  # optimizer steps per round
-        expected = [tau is not None and (i + 1) % (tau * every) == 0 for i in range(n)]
-        rule = (f"identical after every {tau * every}th step (global average, tau={tau} rounds of {every} steps); "
-                "within groups otherwise" if tau is not None
-                else "identical only after the final average (global_every=None; a solo round of one group of "
-                "every rank that finds every rank fresh also leaves them identical)")
+        mode = ranks[0].get("mode", dict(config.options).get("mode", "solo"))
+        # As the fit ran (its record); records from before the worker kept it: the configuration's.
+        group_size = ranks[0].get("group_size", dict(config.options).get("group_size"))
+        # (The default order, step_then_average: a round's average is the step's last word.)
+        if tau is None and mode == "sync" and group_size == WORLD:
+            # One group of every rank, every round waiting for every rank: each round's average is exact.
+            expected = [(i + 1) % every == 0 for i in range(n)]
+            rule = f"identical after every {every}th step (a synchronous round of one group of every rank)"
+        elif tau is None and group_size == WORLD:
+            # A round that finds every rank fresh also leaves them identical, one that does not leaves them
+            # apart: identical at most after a round's step.
+            expected = [s and (i + 1) % every == 0 for i, s in enumerate(identical)]
+            rule = (f"identical only after a round's step (every {every}th) and after the final average "
+                    "(global_every=None; a round of one group of every rank that finds every rank fresh "
+                    "leaves them identical)")
+        elif tau is None:
+            expected = [False] * n
+            rule = "identical only after the final average (global_every=None, groups smaller than the world)"
+        else:
+            expected = [(i + 1) % (tau * every) == 0 for i in range(n)]
+            rule = (f"identical after every {tau * every}th step (global average, tau={tau} rounds of {every} "
+                    "steps); within groups otherwise")
     elif config.strategy == "ds_sync":
         expected = [False] * n
         rule = "identical only after the final average (no periodic global average)"

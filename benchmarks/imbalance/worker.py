@@ -454,6 +454,9 @@ def run_worker(args: argparse.Namespace) -> int:
         "global_every": getattr(trainer.strategy, "global_every", None),
         # Optimizer steps per round (model averaging's local steps; 1: a round every step).
         "average_every": getattr(trainer.strategy, "average_every", 1),
+        # What activates a round (the replica check's: a "sync" round leaves every replica identical).
+        "mode": getattr(getattr(trainer.strategy, "partial_config", None), "mode", None),
+        "group_size": getattr(trainer.strategy, "group_size", None),  # WAGMA-SGD's S (None: its default)
         "torch_threads": torch.get_num_threads(),  # as the fit ran: --threads
         "default_group_collectives": dict(counter.calls),
         "collectives_at_batch_end": recorder.collectives_at_batch_end,

@@ -76,7 +76,12 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
             arrive activates the round for every group; a late member contributes
             its model as of its last arrival), ``"majority"``, ``"quorum"`` or
             ``"sync"`` (every rank arrives before each group exchange).
-        quorum: for ``mode="quorum"``.
+        quorum, backup_workers: for ``mode="quorum"``, one of the two: a round activates once
+            ``quorum`` ranks have arrived, or all but ``backup_workers`` of them (resolved with the
+            world size, so one configuration serves any ``P``; eager-SGD's backup workers). A
+            quorum round's average holds at least that many models of the round itself; with one
+            group of every rank and ``average_every`` > 1 that is what kept the SGD main job's
+            accuracy (docs/staleness.md, what activates the rounds of local steps).
         normalize: ``"group"`` (sum / S) or ``"reference"`` ((sum + own model) / (S + 1)),
             see :func:`~lightning_partial.collectives.apply_average`.
         late: ``"damp"`` (default: a late rank keeps the local progress that
@@ -144,6 +149,7 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         *,
         mode: str = "solo",
         quorum: Optional[int] = None,
+        backup_workers: Optional[int] = None,
         normalize: str = "group",
         late: str = "damp",
         stale: str = "skip",
@@ -186,6 +192,7 @@ class ModelAveragingStrategy(ConfiguredStrategy[GroupAverage]):
         self.partial_config = PartialAllreduceConfig(
             mode=mode,  # type: ignore[arg-type]
             quorum=quorum,
+            backup_workers=backup_workers,
             normalize="sum",
             late="carry",
             sync_every=global_every,

@@ -51,6 +51,7 @@ class AveragingOptions(StrategyOptions, total=False):
 
     mode: str
     quorum: Optional[int]
+    backup_workers: Optional[int]
     normalize: str
     late: str
     stale: str

@@ -140,16 +140,23 @@ class SaveAt(L.Callback):
 
 class RoundLog(L.Callback):
     """Every round optimizer 0's engine applied on this rank: ``[round, synchronous, sync_from]`` (the strategy's
-    ``round_listeners``; empty under DDP)."""
+    ``round_listeners``; empty under DDP); and per round, who is in it: ``[averaged, fresh]`` (the members whose
+    models a model-averaging round's sum holds, ``None`` for a partial allreduce; the ranks whose contribution of
+    this very round is in it)."""
 
     def __init__(self) -> None:
         self.rounds: list[list[Any]] = []
+        self.members: list[list[Any]] = []
+
+    def _append(self, stats: Any) -> None:
+        self.rounds.append([stats.round_index, stats.synchronous, getattr(stats, "sync_from", None)])
+        averaged = getattr(stats, "averaged", None)
+        self.members.append([None if averaged is None else list(averaged), list(stats.fresh)])
 
     def on_train_start(self, trainer, pl_module):
         listeners = getattr(trainer.strategy, "round_listeners", None)
         if listeners is not None:
-            listeners.append(lambda index, stats: index == 0 and self.rounds.append(
-                [stats.round_index, stats.synchronous, getattr(stats, "sync_from", None)]))
+            listeners.append(lambda index, stats: index == 0 and self._append(stats))
 
 
 class EpochProbe(L.Callback):
@@ -403,6 +410,7 @@ def main() -> None:
         record["last_round"] = {"round": last.round_index, "flush": last.flush,
                                 "contributions": last.contributions} if last is not None else None
         record["rounds"] = rounds.rounds
+        record["round_members"] = rounds.members
         lags = getattr(trainer.strategy, "step_lags", None)
         if lags is not None:
             record["step_lags"] = {str(lag): n for lag, n in lags.histogram(0).items()}
