@@ -32,6 +32,13 @@ def _study(name: str, *options: tuple[str, Any], note: str = "") -> Config:
     return Config(name, "eager_sgd", True, label, tuple(options), default=False)
 
 
+def _one_group(name: str, label: str, *options: tuple[str, Any]) -> Config:
+    """A configuration of local steps in one group of every rank: ``WAGMAStrategy(group_size=P,
+    global_every=None, average_every=4, **options)`` under imbalance, run only when ``--only`` names it."""
+    one_group = (("group_size", WORLD), ("global_every", None), ("average_every", 4))
+    return Config(name, "wagma_sgd", True, label, one_group + tuple(options), default=False)
+
+
 CONFIGS: dict[str, Config] = {
     c.name: c
     for c in (
@@ -107,33 +114,22 @@ CONFIGS: dict[str, Config] = {
         # Local steps between the rounds (average_every): a rank joins a round every 4th optimizer step, so its
         # communication per sample falls by 4; with one group of all ranks (group_size=P, no periodic global
         # average), local SGD with wait-avoiding global averages; and each strategy's defaults with local steps.
-        Config("global_local4_imbalanced", "wagma_sgd", True, "wait-avoiding local SGD (S=P, average_every=4)",
-               (("group_size", WORLD), ("global_every", None), ("average_every", 4)), default=False),
-        Config("global_local4_s2_imbalanced", "wagma_sgd", True,
-               "wait-avoiding local SGD (S=P, average_every=4, max_staleness=2)",
-               (("group_size", WORLD), ("global_every", None), ("average_every", 4), ("max_staleness", 2)),
-               default=False),
+        _one_group("global_local4_imbalanced", "wait-avoiding local SGD (S=P, average_every=4)"),
+        _one_group("global_local4_s2_imbalanced", "wait-avoiding local SGD (S=P, average_every=4, max_staleness=2)",
+                   ("max_staleness", 2)),
         # What activates the one group's rounds (docs/staleness.md, what activates the rounds of local steps):
         # every rank (mode="sync": a round step waits for the slowest rank's, as post-local SGD's averages do),
         # a rank drawn per round (majority), or 3 of the 4 (quorum 3: backup_workers=1 at 4 ranks).
-        Config("global_local4_sync_imbalanced", "wagma_sgd", True,
-               "local SGD with synchronous averages (S=P, average_every=4, mode='sync')",
-               (("group_size", WORLD), ("global_every", None), ("average_every", 4), ("mode", "sync")),
-               default=False),
-        Config("global_local4_sync_s1_imbalanced", "wagma_sgd", True,
-               "local SGD with synchronous averages (S=P, average_every=4, mode='sync', max_staleness=1)",
-               (("group_size", WORLD), ("global_every", None), ("average_every", 4), ("mode", "sync"),
-                ("max_staleness", 1)),
-               default=False),
-        Config("global_local4_majority_imbalanced", "wagma_sgd", True,
-               "local SGD with majority averages (S=P, average_every=4, mode='majority')",
-               (("group_size", WORLD), ("global_every", None), ("average_every", 4), ("mode", "majority")),
-               default=False),
-        Config("global_local4_quorum3_imbalanced", "wagma_sgd", True,
-               "local SGD with quorum averages (S=P, average_every=4, mode='quorum', quorum=3)",
-               (("group_size", WORLD), ("global_every", None), ("average_every", 4), ("mode", "quorum"),
-                ("quorum", 3)),
-               default=False),
+        _one_group("global_local4_sync_imbalanced",
+                   "local SGD with synchronous averages (S=P, average_every=4, mode='sync')", ("mode", "sync")),
+        _one_group("global_local4_sync_s1_imbalanced",
+                   "local SGD with synchronous averages (S=P, average_every=4, mode='sync', max_staleness=1)",
+                   ("mode", "sync"), ("max_staleness", 1)),
+        _one_group("global_local4_majority_imbalanced",
+                   "local SGD with majority averages (S=P, average_every=4, mode='majority')", ("mode", "majority")),
+        _one_group("global_local4_quorum3_imbalanced",
+                   "local SGD with quorum averages (S=P, average_every=4, mode='quorum', quorum=3)",
+                   ("mode", "quorum"), ("quorum", 3)),
         Config("wagma_sgd_local4_imbalanced", "wagma_sgd", True, "WAGMA-SGD (S=2, tau=5), average_every=4",
                (("average_every", 4),), default=False),
         Config("ds_sync_local4_imbalanced", "ds_sync", True, "DS-Sync (G=2, max_staleness=1), average_every=4",

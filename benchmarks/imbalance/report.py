@@ -36,9 +36,10 @@ def _replica_check(config: Config, ranks: list[dict], args: argparse.Namespace) 
         tau = ranks[0].get("global_every", 10)
         extra["global_every"] = tau  # a field, for the README's row (results_table.wagma_period)
         every = ranks[0].get("average_every", 1)  # optimizer steps per round
-        mode = ranks[0].get("mode", dict(config.options).get("mode", "solo"))
-        # As the fit ran (its record); records from before the worker kept it: the configuration's.
-        group_size = ranks[0].get("group_size", dict(config.options).get("group_size"))
+        # As the fit ran (its record); records from before the worker kept them: the configuration's.
+        options = dict(config.options)
+        mode = ranks[0].get("mode", options.get("mode", "solo"))
+        group_size = ranks[0].get("group_size", options.get("group_size"))
         # (The default order, step_then_average: a round's average is the step's last word.)
         if tau is None and mode == "sync" and group_size == WORLD:
             # One group of every rank, every round waiting for every rank: each round's average is exact.
