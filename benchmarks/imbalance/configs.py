@@ -32,10 +32,11 @@ def _study(name: str, *options: tuple[str, Any], note: str = "") -> Config:
     return Config(name, "eager_sgd", True, label, tuple(options), default=False)
 
 
-def _one_group(name: str, label: str, *options: tuple[str, Any]) -> Config:
+def _one_group(name: str, label: str, *options: tuple[str, Any], average_every: int = 4) -> Config:
     """A configuration of local steps in one group of every rank: ``WAGMAStrategy(group_size=P,
-    global_every=None, average_every=4, **options)`` under imbalance, run only when ``--only`` names it."""
-    one_group = (("group_size", WORLD), ("global_every", None), ("average_every", 4))
+    global_every=None, average_every=average_every, **options)`` under imbalance, run only when ``--only``
+    names it."""
+    one_group = (("group_size", WORLD), ("global_every", None), ("average_every", average_every))
     return Config(name, "wagma_sgd", True, label, one_group + tuple(options), default=False)
 
 
@@ -130,6 +131,10 @@ CONFIGS: dict[str, Config] = {
         _one_group("global_local4_quorum3_imbalanced",
                    "local SGD with quorum averages (S=P, average_every=4, mode='quorum', quorum=3)",
                    ("mode", "quorum"), ("quorum", 3)),
+        # A longer period halves the rounds again: quorum 3 every 8th step.
+        _one_group("global_local8_quorum3_imbalanced",
+                   "local SGD with quorum averages (S=P, average_every=8, mode='quorum', quorum=3)",
+                   ("mode", "quorum"), ("quorum", 3), average_every=8),
         Config("wagma_sgd_local4_imbalanced", "wagma_sgd", True, "WAGMA-SGD (S=2, tau=5), average_every=4",
                (("average_every", 4),), default=False),
         Config("ds_sync_local4_imbalanced", "ds_sync", True, "DS-Sync (G=2, max_staleness=1), average_every=4",
