@@ -158,9 +158,10 @@ def test_the_replica_check_of_one_group_of_every_rank_follows_what_activates_its
     from benchmarks.imbalance.configs import CONFIGS
     from benchmarks.imbalance.report import _replica_check
 
-    def ok(name: str, identical_at: set[int], mode: str, group_size: int | None = 4) -> bool:
+    def ok(name: str, identical_at: set[int], mode: str, group_size: int | None = 4,
+           order: str = "step_then_average") -> bool:
         records = [{"digests": [0.0 if i in identical_at else float(r + i) for i in range(16)], "final_digest": 1.0,
-                    "global_every": None, "average_every": 4, "mode": mode, "group_size": group_size}
+                    "global_every": None, "average_every": 4, "mode": mode, "group_size": group_size, "order": order}
                    for r in range(4)]
         return _replica_check(CONFIGS[name], records, runner.parse_args([]))["ok"]
 
@@ -173,6 +174,9 @@ def test_the_replica_check_of_one_group_of_every_rank_follows_what_activates_its
     # Groups smaller than the world and no global period: never identical before the final average.
     assert not ok("wagma_sgd_local4_imbalanced", {7}, "solo", group_size=None)
     assert ok("wagma_sgd_local4_imbalanced", set(), "solo", group_size=None)
+    # The average first, then the local step: even synchronous rounds leave the replicas apart after each step.
+    assert ok("global_local4_sync_imbalanced", set(), "sync", order="average_then_step")
+    assert not ok("global_local4_sync_imbalanced", {3, 7, 11, 15}, "sync", order="average_then_step")
 
 
 def test_abs_sgd_runs_at_the_strategy_defaults_unless_told_and_bad_sample_options_fail():

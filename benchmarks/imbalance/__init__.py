@@ -49,7 +49,8 @@ group of every rank), ``global_local4_s2_imbalanced`` (the same, ``max_staleness
 ``average_every=4``), and what activates the one group's rounds
 (``docs/staleness.md#what-activates-the-rounds-of-local-steps``): ``global_local4_majority_imbalanced``,
 ``global_local4_quorum3_imbalanced`` (``mode="quorum", quorum=3``: ``backup_workers=1`` at 4 ranks),
-``global_local8_quorum3_imbalanced`` (the same with ``average_every=8``),
+``global_local2_quorum3_imbalanced`` and ``global_local8_quorum3_imbalanced`` (the same with
+``average_every=2`` and ``8``),
 ``global_local4_sync_imbalanced`` and ``global_local4_sync_s1_imbalanced`` (``mode="sync"``, the
 latter with ``max_staleness=1``); overlapped rounds
 (``overlap=True``, ``docs/staleness.md#overlapped-rounds``): ``eager_sgd_overlap_imbalanced``

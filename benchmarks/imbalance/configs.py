@@ -131,7 +131,10 @@ CONFIGS: dict[str, Config] = {
         _one_group("global_local4_quorum3_imbalanced",
                    "local SGD with quorum averages (S=P, average_every=4, mode='quorum', quorum=3)",
                    ("mode", "quorum"), ("quorum", 3)),
-        # A longer period halves the rounds again: quorum 3 every 8th step.
+        # The period's curve: quorum 3 every 2nd and every 8th step.
+        _one_group("global_local2_quorum3_imbalanced",
+                   "local SGD with quorum averages (S=P, average_every=2, mode='quorum', quorum=3)",
+                   ("mode", "quorum"), ("quorum", 3), average_every=2),
         _one_group("global_local8_quorum3_imbalanced",
                    "local SGD with quorum averages (S=P, average_every=8, mode='quorum', quorum=3)",
                    ("mode", "quorum"), ("quorum", 3), average_every=8),

@@ -40,8 +40,13 @@ def _replica_check(config: Config, ranks: list[dict], args: argparse.Namespace) 
         options = dict(config.options)
         mode = ranks[0].get("mode", options.get("mode", "solo"))
         group_size = ranks[0].get("group_size", options.get("group_size"))
-        # (The default order, step_then_average: a round's average is the step's last word.)
-        if tau is None and mode == "sync" and group_size == WORLD:
+        order = ranks[0].get("order") or options.get("order", "step_then_average")
+        if order == "average_then_step":
+            # Each round step's local update follows its average, so no step leaves the replicas identical.
+            expected = [False] * n
+            rule = "identical only after the final average (average_then_step: every step ends on a local update)"
+        # Below, step_then_average (the default): a round's average is the step's last word.
+        elif tau is None and mode == "sync" and group_size == WORLD:
             # One group of every rank, every round waiting for every rank: each round's average is exact.
             expected = [(i + 1) % every == 0 for i in range(n)]
             rule = f"identical after every {every}th step (a synchronous round of one group of every rank)"

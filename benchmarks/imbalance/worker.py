@@ -457,6 +457,8 @@ def run_worker(args: argparse.Namespace) -> int:
         # What activates a round (the replica check's: a "sync" round leaves every replica identical).
         "mode": getattr(getattr(trainer.strategy, "partial_config", None), "mode", None),
         "group_size": getattr(trainer.strategy, "group_size", None),  # WAGMA-SGD's S (None: its default)
+        # Model averaging's order of the local step and the average (the replica check's; None: no averaging).
+        "order": getattr(trainer.strategy, "order", None),
         "torch_threads": torch.get_num_threads(),  # as the fit ran: --threads
         "default_group_collectives": dict(counter.calls),
         "collectives_at_batch_end": recorder.collectives_at_batch_end,
