@@ -40,7 +40,7 @@ def _replica_check(config: Config, ranks: list[dict], args: argparse.Namespace) 
         options = dict(config.options)
         mode = ranks[0].get("mode", options.get("mode", "solo"))
         group_size = ranks[0].get("group_size", options.get("group_size"))
-        order = ranks[0].get("order") or options.get("order", "step_then_average")
+        order = ranks[0].get("order") or options.get("order")  # None: the library's default
         if order == "average_then_step":
             # Each round step's local update follows its average, so no step leaves the replicas identical.
             expected = [False] * n
