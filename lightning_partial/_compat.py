@@ -527,6 +527,14 @@ def _host_candidates(callback: Any, trainer: Any) -> dict[str, Any]:
             for key, value in callback._monitor_candidates(trainer).items()}
 
 
+def computes_nothing(closure: Any) -> bool:
+    """Whether ``closure`` is the one Lightning hands ``optimizer_step`` for an ``opt.step()`` called without a
+    closure (manual optimization after ``manual_backward``): the gradient exists before the step."""
+    from lightning.pytorch.core.optimizer import do_nothing_closure
+
+    return closure is do_nothing_closure
+
+
 def skippable_closure(closure: Any) -> bool:
     """Whether ``closure`` is Lightning's automatic-optimization closure, which :func:`skip_closure` can mark.
 

@@ -89,6 +89,12 @@ def test_fit_two_epochs_under_persistent_heterogeneity(tmp_path):
         assert len(record["epoch_batches"]) == 2  # no rank ran out of data or waited at an epoch end
     steps = {r["global_step"] for r in records}
     assert len(steps) == 1  # global_step counts the optimizer steps: the same everywhere
+    # Each step's hooks see the steps before it, whatever batch it falls in (a batch may take several, each
+    # rank in its own batches); the final round's steps (end of fit) are not counted.
+    n = next(iter(steps))
+    for record in records:
+        seen = record["step_seen"]
+        assert seen == list(range(n)) + [n] * (len(seen) - n), seen
     # step_samples="global_batch": a step per about 64 samples (at least 2/3 of them), and a round holds fewer (a
     # fast rank's 16 and what the others had ready): fewer steps than rounds.
     rounds = records[0]["last_round"]["round"]
@@ -229,6 +235,29 @@ def test_resume_from_an_epoch_end_checkpoint(tmp_path, epoch_end_checkpoint, fin
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("delay", [1, 0])
+def test_sigterm_with_a_save_every_step_stops_every_rank_at_the_same_round(tmp_path, delay):
+    """SIGTERM to one rank under persistent heterogeneity, with a checkpoint every optimizer step: a rank
+    handed the stop round in the same batch as the round before it stops with that round's save queued,
+    while a rank that applied that round a batch earlier runs the save (collective). Every rank runs the
+    saves of the rounds before the stop round before it stops (the stopped ones quiesce too), so the
+    saves pair up, every rank stops after the same steps, and the replicas end bit-identical (the run
+    failed with a broken collective on one rank and a drain that waited for the stop round)."""
+    out = tmp_path / "run"
+    proc = forkrun.run(fit_command(out, "--strategy", "abs_sgd", "--steps", "40", "--speed", "1,1,0.5,0.25",
+                                   "--sigterm-at", "7:1", "--checkpoint-every", "1",
+                                   "--strategy-kw", json.dumps({"delay": delay, "timeout": 60}), launch="fork"),
+                       env=FIT_ENV, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_stopped_alike(out, "fork")
+    assert_identical(out)
+    records = [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
+    # The same saves on every rank (each at its own global step: a rank may be a round behind another).
+    assert len({len(r["saved_at"]) for r in records}) == 1, [r["saved_at"] for r in records]
+    assert records[0]["saved_at"], "no save ran"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("delay", [1, 0])
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_round(tmp_path, delay):
     """SIGTERM to one rank: the stop rides in the next round's header; no round follows it, so every rank is
     handed it at its next micro-batch (not one round later), applies every round up to it, and raises
@@ -246,15 +275,16 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_round(tmp_path, delay)
 
 
 def _tiny_fit(strategy, tmp_path: Path, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), callbacks=(),
-              max_steps: int = 2):
-    """A 1-process fit in this process (errors raised at set-up, or a few steps); returns the model."""
+              max_steps: int = 2, mixins: tuple[type, ...] = ()):
+    """A 1-process fit in this process (errors raised at set-up, or a few steps); returns the model.
+    ``mixins``: classes the module derives from before ``LightningModule`` (hooks it overrides)."""
     import lightning as L
 
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
                         callbacks=list(callbacks), enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=tmp_path)
 
-    class Tiny(L.LightningModule):
+    class Tiny(*mixins, L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.net = torch.nn.Linear(8, 1)
@@ -643,3 +673,131 @@ def test_asynchronous_round_options_warn_when_every_round_is_synchronous(tmp_pat
     with caplog.at_level(logging.WARNING, logger="lightning_partial.strategies.abs_sgd"):
         _tiny_fit(ABSSGDStrategy(trigger="time", interval=0.2, delay=1), tmp_path / "one", optimizer=adamw)
     assert "have no effect" not in caplog.text
+
+
+class _OwnOptimizerStep:
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        optimizer.step(closure=optimizer_closure)
+
+
+def test_refuses_what_runs_per_batch_where_abs_sgd_steps_per_round(tmp_path):
+    """A LightningModule.optimizer_step override (Lightning calls it per batch, a warm-up there keyed by the
+    batch's global step) and a step-interval ReduceLROnPlateau (stepped per batch on the rank's own metric)
+    would give the ranks different learning rates: refused at set-up, naming what to use instead."""
+    with pytest.raises(ValueError, match=r"abs_sgd: Tiny.optimizer_step is overridden.*on_before_optimizer_step"):
+        _tiny_fit(ABSSGDStrategy(), tmp_path / "override", mixins=(_OwnOptimizerStep,))
+
+    def plateau(params):
+        opt = torch.optim.SGD(params, lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+                                                   "interval": "step", "monitor": "train_loss"}}
+
+    with pytest.raises(ValueError, match=r"abs_sgd: a ReduceLROnPlateau with interval='step'.*'train_loss'.*"
+                                         r"interval='epoch'"):
+        _tiny_fit(ABSSGDStrategy(), tmp_path / "plateau", optimizer=plateau)
+
+
+@pytest.mark.parametrize("limit", [10, 0.5, 1])
+def test_refuses_a_train_batch_limit_on_several_ranks(limit):
+    """limit_train_batches counts each rank's own batches; abs_sgd's epochs end at an agreed round."""
+    from types import SimpleNamespace
+
+    from lightning_partial.strategies.abs_sgd import check_batch_limits
+
+    with pytest.raises(ValueError, match=rf"abs_sgd: Trainer\(limit_train_batches={limit}\) counts each rank's"):
+        check_batch_limits(SimpleNamespace(limit_train_batches=limit, fast_dev_run=False), world_size=4)
+    for ok in (SimpleNamespace(limit_train_batches=1.0, fast_dev_run=False),
+               SimpleNamespace(limit_train_batches=0, fast_dev_run=False),  # no training: nothing to disagree on
+               SimpleNamespace(limit_train_batches=limit, fast_dev_run=1)):
+        check_batch_limits(ok, world_size=4)
+    check_batch_limits(SimpleNamespace(limit_train_batches=limit, fast_dev_run=False), world_size=1)
+
+
+def test_a_users_own_sampler_is_refused_and_an_unshuffled_loader_keeps_its_order():
+    """Lightning wraps a user's sampler (DistributedSamplerWrapper); abs_sgd's elastic sampler cannot draw what
+    it would: refused, naming it, rather than silently training other samples. A loader built with
+    shuffle=False (DistributedSampler(shuffle=False)) keeps its order."""
+    from types import SimpleNamespace
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, WeightedRandomSampler
+
+    data = TensorDataset(torch.arange(64.0))
+    strategy = ABSSGDStrategy()
+    strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(training=True))  # as in a fit
+    environment = LightningEnvironment()  # rank 1 of 2, as the sampler reads it (no process group needed)
+    environment.set_world_size(2)
+    environment.set_global_rank(1)
+    strategy.cluster_environment = environment
+    weighted = WeightedRandomSampler([1.0] * 8 + [0.0] * 56, num_samples=64)
+    wrapped = DataLoader(data, batch_size=8, sampler=DistributedSamplerWrapper(weighted, num_replicas=2, rank=1))
+    with pytest.raises(ValueError, match=r"cannot keep this one \(WeightedRandomSampler\)"):
+        strategy.process_dataloader(wrapped)
+    ordered = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, num_replicas=2, rank=1, shuffle=False))
+    batch = next(iter(strategy.process_dataloader(ordered)))[0]
+    assert batch.tolist() == [float(i) for i in range(1, 16, 2)]  # rank 1's shard, in order
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("unused", [True, False], ids=["find_unused_parameters", "default"])
+def test_unused_parameters_stay_untouched_with_find_unused_parameters(tmp_path, unused):
+    """find_unused_parameters=True (as eager_sgd's and DDP's option): under SGD momentum 0.9 and weight decay, a
+    layer no rank uses keeps its initial weights (its grad stays None in every step, so neither moves it), a
+    layer only rank 0 uses on odd batches is trained, and the replicas end bit-identical under persistent
+    heterogeneity. Without the option a missing gradient counts as zeros: decay moves the unused layer."""
+    from tests.test_eager_sgd import fit_identical
+
+    kw = {"delay": 1, "find_unused_parameters": unused}
+    records = fit_identical(tmp_path / "run", "--strategy", "abs_sgd", "--strategy-kw", json.dumps(kw), "--unused",
+                            "--speed", "1,1,0.5,0.25", "--momentum", "0.9", "--weight-decay", "0.01", "--steps", "60")
+    changed = set(records[0]["changed"])
+    assert {"rank0_only.weight", "rank0_only.bias", "net.0.weight"} <= changed, changed
+    assert any(k.startswith("unused.") for k in changed) is not unused, changed
+
+
+@pytest.mark.timeout(300)
+def test_find_unused_parameters_resumes_its_own_checkpoints_and_refuses_the_other_layout(tmp_path):
+    """The presence numbers ride in the engines' state and the accumulated rounds: a checkpoint saved with
+    find_unused_parameters=True resumes with it (the unused layer still untouched, replicas identical), and a
+    resume without it is refused before any batch, naming the option."""
+    kw = {"delay": 1, "find_unused_parameters": True}
+    common = ["--speed", "1,1,0.5,0.25", "--unused", "--momentum", "0.9", "--weight-decay", "0.01"]
+    first = tmp_path / "first"
+    run_fit(first, *common, "--max-epochs", "2", "--save-epoch", "0", "--strategy-kw", json.dumps(kw))
+    checkpoint = torch.load(first / "mid.ckpt", weights_only=False)
+    assert checkpoint["lightning_partial_layout"] == {"find_unused_parameters": True}
+    # Saved mid-fit with the delay: results not yet applied, each with the presence numbers, are resumed.
+    assert checkpoint[CHECKPOINT_KEY]["engines"][0][0]["unapplied"], "nothing pending: the test proves little"
+    second = tmp_path / "second"
+    records = run_fit(second, *common, "--max-epochs", "2", "--resume", str(first / "mid.ckpt"),
+                      "--strategy-kw", json.dumps(kw))
+    assert_identical(second)
+    assert not any(k.startswith("unused.") for k in records[0]["changed"]), records[0]["changed"]
+    third = tmp_path / "third"
+    proc = forkrun.run(fit_command(third, "--strategy", "abs_sgd", *common, "--max-epochs", "2", "--resume",
+                                   str(first / "mid.ckpt"), "--strategy-kw", json.dumps({"delay": 1}), launch="fork"),
+                       env=FIT_ENV, timeout=240)
+    assert proc.returncode != 0
+    assert "saved with find_unused_parameters=True" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_stop_waits_for_the_batch_that_ends_this_ranks_epoch():
+    """A rank handed the epoch's last round and the stop round in one batch runs that batch as the epoch's last
+    (its epoch-end hooks are collective, and a rank that saw the epoch end first runs them) and stops at the
+    next batch start, after the saves queued by the rounds before the stop round (the stop round's own are
+    dropped). Here the strategy's side of that decision, with a stand-in for the engine's progress."""
+    from types import SimpleNamespace
+
+    strategy = ABSSGDStrategy()
+    ran: list[int] = []
+    progress = SimpleNamespace(epochs_completed=1)
+    strategy._engines = {0: SimpleNamespace(progress=lambda: progress)}
+    strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(current_epoch=0))
+    strategy._stopped, strategy._stop_round = True, 7
+    strategy._pending_saves = [(5, lambda: ran.append(5)), (7, lambda: ran.append(7))]
+    assert strategy._stop_now() is False and ran == []  # the epoch's last batch runs first
+    progress.epochs_completed = 0  # the next epoch's first batch start (or no epoch end in sight)
+    assert strategy._stop_now() is True and ran == [5] and strategy._pending_saves == []
+    strategy._stopped = False
+    assert strategy._stop_now() is False

@@ -26,11 +26,12 @@ from typing import Any, Callable, Optional
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_partial import ABSSGDStrategy, DSSyncStrategy, EagerSGDStrategy, WAGMAStrategy
 from lightning_partial.callbacks import AdaptiveBatchSize, GroupRotation, LoadImbalance, StalenessTracker
-from lightning_partial.collectives import PartialAllreduceConfig
-from lightning_partial.collectives.delayed import DelayedConfig
+from lightning_partial.collectives import Heartbeat, PartialAllreduce, PartialAllreduceConfig
+from lightning_partial.collectives.delayed import DelayedAllreduce, DelayedConfig
 from lightning_partial.collectives.schedules import ButterflySchedule, ShuffleSchedule
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, CheckpointMismatchError
@@ -125,6 +126,42 @@ CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("staleness weights unknown rule", lambda: StalenessWeights(rule="linear"), r"rule"),
     ("delayed config max_epochs without epoch_samples", lambda: DelayedConfig(target_samples=8, max_epochs=2),
      r"epoch_samples"),
+    ("delayed config infinite interval", lambda: DelayedConfig(trigger="time", interval=float("inf")),
+     r"needs interval > 0 \(seconds, finite\), got inf"),
+    ("engine config name not a string", lambda: PartialAllreduceConfig(name=123), r"name must be .*got 123"),
+    ("engine config seed a bool", lambda: PartialAllreduceConfig(seed=True), r"seed must be an integer, got True"),
+    ("engine timeout beyond what a wait takes", lambda: PartialAllreduceConfig(timeout=timedelta.max),
+     r"^timeout must be at most threading.TIMEOUT_MAX"),
+    ("engine rank a float", lambda: PartialAllreduce(PartialAllreduceConfig(), store=dist.HashStore(), rank=0.5,
+                                                     world_size=2, like=torch.zeros(1)),
+     r"^rank must be an integer >= 0, got 0\.5$"),
+    ("engine rank a bool", lambda: PartialAllreduce(PartialAllreduceConfig(), store=dist.HashStore(), rank=True,
+                                                    world_size=2, like=torch.zeros(1)),
+     r"^rank must be an integer >= 0, got True$"),
+    ("engine integer tensors divided by the world", lambda: PartialAllreduce(
+        PartialAllreduceConfig(normalize="world"), store=dist.HashStore(), rank=0, world_size=1,
+        like=[torch.zeros(2), torch.zeros(3, dtype=torch.int64)]),
+     r"normalize='world' divides .*floating point.*normalize='sum'.*torch.int64"),
+    ("engine integer tensors divided by the contributors", lambda: PartialAllreduce(
+        PartialAllreduceConfig(normalize="contributors"), store=dist.HashStore(), rank=0, world_size=1,
+        like=torch.zeros(3, dtype=torch.int32)),
+     r"normalize='contributors' divides"),
+    ("delayed engine integer tensors", lambda: DelayedAllreduce(
+        DelayedConfig(target_samples=1), store=dist.HashStore(), rank=0, world_size=1,
+        like=torch.zeros(3, dtype=torch.int64)),
+     r"^DelayedAllreduce: normalize='contributors' divides"),
+    ("heartbeat infinite exit_grace", lambda: Heartbeat(
+        dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=5), on_dead=print, exit_grace=float("inf")),
+     r"exit_grace must be a finite positive number"),
+    ("heartbeat interval a bool", lambda: Heartbeat(
+        dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=5), on_dead=print, interval=True),
+     r"heartbeat interval must be in \(0, timeout\), got True"),
+    ("heartbeat rank a bool", lambda: Heartbeat(
+        dist.HashStore(), rank=True, world_size=2, timeout=timedelta(seconds=5), on_dead=print),
+     r"^rank must be an integer >= 0, got True$"),
+    ("heartbeat timeout beyond what a wait takes", lambda: Heartbeat(
+        dist.HashStore(), rank=0, world_size=1, timeout=timedelta.max, on_dead=print),
+     r"^heartbeat timeout must be at most threading.TIMEOUT_MAX"),
     ("butterfly world not a power of the group", lambda: ButterflySchedule(world_size=6, group_size=4),
      r"world_size|group_size"),
     ("shuffle more groups than ranks", lambda: ShuffleSchedule(world_size=4, num_groups=8), r"num_groups"),

@@ -163,3 +163,40 @@ def test_sync_batchnorm_is_allowed_in_fully_synchronous_mode() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SyncBatchNorm(4))
     EagerSGDStrategy(mode="sync")._refuse_sync_batchnorm(model)
 
+
+
+def test_sync_batchnorm_is_reverted_after_a_synchronous_fit(tmp_path) -> None:
+    """``Trainer(sync_batchnorm=True)`` under ``mode="sync"``: the module leaves the fit with its BatchNorm layers,
+    as under DDP, so that the same module can be fitted again under a partial mode (which refuses SyncBatchNorm)."""
+    import lightning as L
+
+    from tests.test_bad_input import tiny_fit
+
+    class Normed(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Normed()
+    converted: list[type] = []
+
+    class Layer(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            converted.append(type(pl_module.net[1]))
+
+    # SyncBatchNorm runs on GPUs only: the fit stops at its first forward, after set-up converted the layer.
+    with pytest.raises(ValueError, match="SyncBatchNorm expected input tensor to be on GPU"):
+        tiny_fit(tmp_path / "sync", EagerSGDStrategy(mode="sync"), seen=[], module=module, sync_batchnorm=True,
+                 callbacks=(Layer(),))
+    assert converted == [torch.nn.SyncBatchNorm]
+    # What DDP's teardown leaves too (Lightning's revert: a plain batch norm of the same statistics).
+    assert not isinstance(module.net[1], torch.nn.SyncBatchNorm)
+    assert isinstance(module.net[1], torch.nn.modules.batchnorm._BatchNorm)
+    tiny_fit(tmp_path / "solo", EagerSGDStrategy(), seen=[], module=module)  # refused if it kept SyncBatchNorm

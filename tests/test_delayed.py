@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_partial.collectives import DelayedAllreduce, DelayedConfig
+from lightning_partial.collectives import DelayedAllreduce, DelayedConfig, EngineClosedError
 from lightning_partial.data import ElasticBatchSampler
 from tests.distributed import run_threads
 
@@ -33,15 +33,20 @@ def record(results: list) -> list[tuple]:
     return [(r.round_index, r.tensors[0].clone(), r.stats.counts) for r in results]
 
 
-def end_of_fit(engine: DelayedAllreduce, rank: int, barrier: threading.Barrier, agree: dict) -> tuple[int, list]:
-    """The strategy's end of fit: pause, agree on the last round (its barrier and MAX allreduce), drain it, and
-    finish; returns that round and the finish's results."""
+def quiesce(engine: DelayedAllreduce, rank: int, barrier: threading.Barrier, agree: dict) -> int:
+    """The strategy's quiesce: pause, agree on the last round (its barrier and MAX allreduce), drain it; returns it."""
     engine.pause()
     barrier.wait(timeout=30)
     agree[rank] = engine.known_round()
     barrier.wait(timeout=30)
     last = max(agree.values())
     engine.drain(last)
+    return last
+
+
+def end_of_fit(engine: DelayedAllreduce, rank: int, barrier: threading.Barrier, agree: dict) -> tuple[int, list]:
+    """The strategy's end of fit: :func:`quiesce`, then finish; returns the last round and the finish's results."""
+    last = quiesce(engine, rank, barrier, agree)
     return last, record(engine.finish(last))
 
 
@@ -355,6 +360,99 @@ def test_a_started_engine_refuses_bad_samples_and_epochs_and_keeps_nothing(kwarg
                 engine.deposit([torch.ones(2)], **kwargs)
             assert engine.state_dict()["pending_samples"] == []
         finally:
+            engine.close()
+
+    run_threads(1, fn)
+
+
+def test_draining_the_round_that_carried_a_stop_returns_and_every_rank_is_handed_it():
+    """A stop ends the rounds with the round that carried it: the communication threads publish it and return, so
+    it never completes as an ordinary round. drain() of it, or of any later round (none follows a stop), returns
+    once it is published (not at the timeout), and the next deposit hands it, the same on both ranks."""
+    barrier = threading.Barrier(2)
+    agree: dict[int, int] = {}
+    config = DelayedConfig(target_samples=1, timeout=timedelta(seconds=10), name="drainstop")
+
+    def fn(rank: int, store: dist.Store) -> tuple:
+        engine = DelayedAllreduce(config, store=store, rank=rank, world_size=2,
+                                  like=[torch.zeros(3, dtype=torch.float64)]).start()
+        try:
+            handed = []
+            if rank == 0:
+                engine.request_stop()
+                handed += engine.deposit([grad_of(0, 0)], samples=1)  # requests round 0, which carries the stop
+            last = quiesce(engine, rank, barrier, agree)
+            engine.drain(last + 1)
+            handed += engine.deposit([grad_of(rank, 1)], samples=1)
+            return last, [(r.round_index, r.tensors[0].clone(), r.stats.counts, r.stats.stop) for r in handed]
+        finally:
+            engine.close()
+
+    (last0, handed0), (last1, handed1) = run_threads(2, fn, timeout=60)
+    assert last0 == last1 == 0
+    for handed in (handed0, handed1):
+        assert [(r, counts, stop) for r, _, counts, stop in handed] == [(0, (1, 0), True)], handed
+        assert torch.equal(handed[0][1], grad_of(0, 0))
+
+
+def test_known_round_counts_a_round_that_ran_while_it_asked_the_store():
+    """known_round() reads the last round its thread took, then asks the store whether the next one is activated.
+    Rank 1's store answer is held back until rank 0 has activated round 0 and rank 1's thread has run it and
+    deleted its key (as a descheduled caller's thread would see it): the round that ran still counts."""
+    asked = threading.Barrier(2)
+    agreed = threading.Barrier(2)
+    config = DelayedConfig(target_samples=1, timeout=timedelta(seconds=10), name="knownrace")
+
+    def fn(rank: int, store: dist.Store) -> tuple:
+        engine = DelayedAllreduce(config, store=store, rank=rank, world_size=2,
+                                  like=[torch.zeros(3, dtype=torch.float64)]).start()
+        try:
+            if rank == 0:
+                asked.wait(timeout=30)  # rank 1 has read its last round taken (none) and asks the store
+                engine.deposit([grad_of(0, 0)], samples=1)  # activates round 0 for both ranks
+                engine.pause()
+                known = engine.known_round()
+            else:
+                engine.pause()
+                control = engine._control
+                answer = control.is_activated
+
+                def late_answer(r: int) -> bool:
+                    asked.wait(timeout=30)
+                    engine.drain(r)  # round r ran here, and its key is deleted (ControlPlane.collect)
+                    return answer(r)
+
+                control.is_activated = late_answer
+                try:
+                    known = engine.known_round()
+                finally:
+                    control.is_activated = answer
+            started = engine.started_round
+            agreed.wait(timeout=30)
+            engine.drain(known)
+            return known, started, record(engine.finish(known))
+        finally:
+            engine.close()
+
+    (known0, started0, final0), (known1, started1, final1) = run_threads(2, fn, timeout=60)
+    assert (known0, started0) == (known1, started1) == (0, 0)
+    assert [r for r, _, _ in final0] == [r for r, _, _ in final1] == [0, 1]  # round 0, then the finish's
+    assert all(torch.equal(a, b) for (_, a, _), (_, b, _) in zip(final0, final1))
+
+
+def test_a_drain_ends_when_the_engine_is_closed():
+    """close() from another thread ends a drain() that waits for a round, as it ends the other waits for a round's
+    completion: with EngineClosedError naming rank and round, not at the timeout."""
+    def fn(rank: int, store: dist.Store) -> None:
+        config = DelayedConfig(target_samples=1, timeout=timedelta(seconds=10), name="drainclosed")
+        engine = DelayedAllreduce(config, store=store, rank=0, world_size=1, like=[torch.zeros(2)]).start()
+        closer = threading.Timer(0.2, engine.close)  # no round was requested: round 0 never runs
+        closer.start()
+        try:
+            with pytest.raises(EngineClosedError, match=r"rank 0, round 0\] close\(\) was called while draining"):
+                engine.drain(0)
+        finally:
+            closer.join()
             engine.close()
 
     run_threads(1, fn)

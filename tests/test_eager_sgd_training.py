@@ -111,6 +111,9 @@ def test_sampler_logging_and_evaluation_behave_as_under_ddp(solo_accumulate, ddp
 def test_manual_optimization_with_two_optimizers_majority_bf16_mixed(tmp_path):
     records = run(tmp_path, "--strategy", "eager_sgd_majority", "--manual", "--precision", "bf16-mixed")
     assert_identical_replicas(records)
+    # manual_backward, then opt.step(): the gradients exist before the step, at the current weights; weight
+    # prediction (on by default) cannot move them, and the strategy counts such steps (and warns once).
+    assert all(r["unpredicted_steps"] == r["global_step"] > 0 for r in records), records[0]["unpredicted_steps"]
     total = computed(records)
     lr = records[0]["lr"]
     assert records[0]["final"]["w"] == expected(records[0]["w0"]["w"], total, lr=lr, world=4)

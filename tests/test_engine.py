@@ -607,7 +607,8 @@ def test_close_with_nothing_in_flight_releases_the_groups_at_once(retired):
 
 
 def test_close_during_a_collective_retires_the_groups(retired):
-    """Rank 0 alone in a synchronous round: its thread is inside the allreduce when it closes."""
+    """Rank 0 alone in a synchronous round: its thread is inside the allreduce when it closes. The engine lets go of
+    its store clients as well (the stuck thread keeps its own reference), as every closed engine does."""
 
     def fn(rank, store):
         e = PartialAllreduce(config(mode="sync", timeout=timedelta(seconds=30)), store=store, rank=rank,
@@ -628,7 +629,7 @@ def test_close_during_a_collective_retires_the_groups(retired):
             caller.join(timeout=10)
         else:
             e.close()  # waiting for its own arrival: nothing in flight
-        return e._data_pg is None
+        return e._data_pg is None and e._control is None and e._store is None
 
     assert run_threads(P, fn, timeout=60) == [True] * P
     assert retired == [0]

@@ -231,6 +231,36 @@ def test_bad_heartbeat_configuration_is_refused() -> None:
         Heartbeat(store, rank=2, world_size=2, timeout=timedelta(seconds=1), on_dead=print)
 
 
+@pytest.mark.timeout(60)
+def test_a_stop_that_leaves_a_thread_running_does_not_queue_on_its_store_client() -> None:
+    """stop() joins each thread for a bounded time. A store thread still running after it (here held in its progress
+    callback, between its beat's two halves; in a job, blocked on the store) may hold the client's one connection:
+    the "done" write would queue behind it, so it is left out, and stop() returns."""
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    hold, inside, release = threading.Event(), threading.Event(), threading.Event()
+
+    def progress() -> int:
+        if hold.is_set():
+            inside.set()
+            release.wait(30)
+        return 7
+
+    # Rank 1 never starts: rank 0 watches it, silent well within the 60 s bound (no verdict).
+    beat = Heartbeat(store, rank=0, world_size=2, timeout=timedelta(seconds=60), interval=0.05, name="t",
+                     on_dead=lambda err: None, progress=progress)
+    beat.start()
+    threads = list(beat._threads)
+    try:
+        hold.set()
+        assert inside.wait(20), "the store thread never beat again"
+        beat.stop()
+        assert dist.PrefixStore("lightning_partial/t/hb", store).get("0") != b"done"
+    finally:
+        release.set()
+        for thread in threads:  # it ends with its beat, before the store's server goes
+            thread.join(timeout=10)
+
+
 # -- whole fits, one process per rank -----------------------------------------------
 @pytest.mark.timeout(240 + 2 * COLLECTIVE_TIMEOUT_S)
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -220,6 +220,34 @@ def test_round_accumulator_without_a_reference_takes_the_sample_weighted_mean():
     assert torch.equal(per_round.take(0)[0], m1[0])
 
 
+def test_round_accumulator_keeps_the_presence_numbers_across_a_checkpoint():
+    """find_unused_parameters: each result ends with a presence number per parameter tensor; a resume keeps them,
+    and one without the option is refused naming it (and the other way round)."""
+    params = {0: [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))]}
+    first = RoundAccumulator(step_samples=8, reference_samples=8, presence=True)
+    first.add(0, [torch.tensor([1.0, 2.0]), torch.zeros(3), torch.tensor([1.0, 0.0])], divisor=8.0, samples=5)
+    checkpoint: dict = {}
+    first.save(checkpoint)
+    resumed = RoundAccumulator(step_samples=8, reference_samples=8, presence=True)
+    resumed.load(checkpoint)
+    resumed.reset(params)
+    assert resumed.add(0, [torch.zeros(2), torch.ones(3), torch.tensor([0.0, 1.0])], divisor=8.0, samples=3)
+    *gradient, presence = resumed.take(0)
+    assert presence.tolist() == [1.0, 1.0] and gradient[1].tolist() == [1.0, 1.0, 1.0]
+    without = RoundAccumulator(step_samples=8, reference_samples=8)
+    without.load(checkpoint)
+    with pytest.raises(ValueError, match=r"saved with find_unused_parameters=True: resume with that"):
+        without.reset(params)
+    plain: dict = {}
+    other = RoundAccumulator(step_samples=8, reference_samples=8)
+    other.add(0, [torch.ones(2), torch.ones(3)], divisor=8.0, samples=5)
+    other.save(plain)
+    with_it = RoundAccumulator(step_samples=8, reference_samples=8, presence=True)
+    with_it.load(plain)
+    with pytest.raises(ValueError, match=r"saved with find_unused_parameters=False: resume with that"):
+        with_it.reset(params)
+
+
 def test_round_accumulator_survives_a_checkpoint_but_refuses_another_model():
     params = {0: [torch.nn.Parameter(torch.zeros(2))]}
     first = RoundAccumulator(step_samples=8, reference_samples=8)

@@ -8,6 +8,7 @@ trains. Pure Python: importable without Lightning.
 from __future__ import annotations
 
 import math
+import threading
 from datetime import timedelta
 from typing import TypeGuard, Union
 
@@ -37,8 +38,13 @@ def check_int(name: str, value: object, *, minimum: int = 1, optional: bool = Fa
 
 
 def check_timedelta(name: str, value: object, *, optional: bool = False) -> None:
-    """Raises unless ``value`` is a positive ``timedelta`` (or ``None`` if ``optional``)."""
+    """Raises unless ``value`` is a positive ``timedelta`` of at most ``threading.TIMEOUT_MAX`` seconds (or ``None``
+    if ``optional``)."""
     if optional and value is None:
         return
     if not isinstance(value, timedelta) or value.total_seconds() <= 0:
         raise ValueError(f"{name} must be a positive datetime.timedelta{' or None' if optional else ''}, got {value!r}")
+    if value.total_seconds() > threading.TIMEOUT_MAX:
+        # Every wait bounded by it passes it on to a lock or an event, which refuse more (OverflowError) in
+        # whichever thread waits: at construction instead.
+        raise ValueError(f"{name} must be at most threading.TIMEOUT_MAX ({threading.TIMEOUT_MAX:.0f} s), got {value!r}")

@@ -154,10 +154,10 @@ class PartialAllreduceConfig(EngineBounds):
         check_int("max_staleness", self.max_staleness, minimum=0, optional=True)
         if not isinstance(self.staleness, StalenessWeights):
             raise ValueError(f"staleness must be a StalenessWeights, got {type(self.staleness).__name__}")
-        if not isinstance(self.seed, int):
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         self.check_bounds()
-        if not self.name or "/" in self.name:
+        if not isinstance(self.name, str) or not self.name or "/" in self.name:
             raise ValueError(f"name must be a non-empty string without '/', got {self.name!r}")
 
     def validate_world(self, world_size: int) -> None:

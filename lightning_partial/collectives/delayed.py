@@ -94,7 +94,7 @@ from typing import Any, Callable, Literal, Optional, cast
 
 import torch.distributed as dist
 
-from lightning_partial.collectives.checks import check_int
+from lightning_partial.collectives.checks import check_int, is_finite_number
 from lightning_partial.collectives.config import EngineBounds, PartialAllreduceConfig
 from lightning_partial.collectives.engine import PartialAllreduce, Tensors
 from lightning_partial.collectives.errors import EngineClosedError, PartialCollectiveTimeout
@@ -157,8 +157,8 @@ class DelayedConfig(EngineBounds):
             if self.interval is not None:
                 raise ValueError("interval is only meaningful with trigger='time'")
         else:
-            if isinstance(self.interval, bool) or not isinstance(self.interval, (int, float)) or not self.interval > 0:
-                raise ValueError(f"trigger='time' needs interval > 0 (seconds), got {self.interval!r}")
+            if not is_finite_number(self.interval) or not self.interval > 0:
+                raise ValueError(f"trigger='time' needs interval > 0 (seconds, finite), got {self.interval!r}")
             check_int("target_samples", self.target_samples, optional=True)
         check_int("reference_samples", self.reference_samples, optional=True)
         check_int("epoch_samples", self.epoch_samples, optional=True)
@@ -513,14 +513,32 @@ class DelayedAllreduce(PartialAllreduce):
             last = self._snapshotted
         # Round last + 1 may be activated (its key set) without our thread having taken it yet;
         # last + 2 cannot be: activating it needs last + 1 completed, with our thread in it.
-        return last + 1 if self._control.is_activated(last + 1) else last
+        activated = self._control.is_activated(last + 1)
+        with self._cond:
+            # Meanwhile our thread may have taken round last + 1, run it and deleted its key
+            # (ControlPlane.collect): the store then says "not activated" of a round that ran.
+            now = self._snapshotted
+        return max(now, last + 1 if activated else last)
 
     def drain(self, round_index: int) -> None:
-        """Blocks until round ``round_index`` has completed on this rank (bounded by the timeout)."""
+        """Blocks until round ``round_index`` has completed on this rank (bounded by the timeout).
+
+        A round that carried a stop ends the rounds (no round follows it): draining it, or a round after
+        it, returns once it is published. Raises :class:`EngineClosedError` if :meth:`close` is called
+        meanwhile, as the other waits for a round's completion do.
+        """
+        def done() -> bool:
+            self._raise_if_failed(round_index)
+            # The communication thread returns right after publishing a stop round: _completed never reaches it.
+            if self._completed >= round_index or (self._stop_round is not None and self._stop_round <= round_index):
+                return True
+            if self._closing:
+                raise EngineClosedError(f"close() was called while draining round {round_index}", rank=self.rank,
+                                        round_index=round_index)
+            return False
+
         self._caller_wait(
-            lambda: self._raise_if_failed(round_index) or self._completed >= round_index,
-            round_index,
-            f"round {round_index} did not complete while draining (is a rank dead or stalled?)",
+            done, round_index, f"round {round_index} did not complete while draining (is a rank dead or stalled?)"
         )
 
     def finish(self, round_index: int) -> list[RoundResult]:

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_partial.collectives import header
+from lightning_partial.collectives.checks import check_int
 from lightning_partial.collectives.config import PartialAllreduceConfig
 from lightning_partial.collectives.control import ControlPlane
 from lightning_partial.collectives.errors import EngineClosedError, PartialCollectiveError
@@ -164,6 +165,7 @@ class PartialAllreduce(RoundRunner):
         if not isinstance(config, PartialAllreduceConfig):
             raise ValueError(f"config must be a PartialAllreduceConfig, got {type(config).__name__}")
         config.validate_world(world_size)
+        check_int("rank", rank, minimum=0)  # a bool or a float would pass the range check below
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
         if backend not in (None, "gloo", "nccl"):
@@ -185,6 +187,14 @@ class PartialAllreduce(RoundRunner):
             raise ValueError(
                 f"config.staleness rule {config.staleness.rule!r} scales contributions by fractions: every tensor "
                 f"must be floating point, got {sorted({str(b.dtype) for b in self.layout.buckets})}"
+            )
+        if config.normalize != "sum" and not all(b.dtype.is_floating_point for b in self.layout.buckets):
+            # Every round divides its sum in place (RoundRunner._finish_data): an integer buffer would fail
+            # each round on the communication thread instead of here.
+            raise ValueError(
+                f"{type(self).__name__}: normalize={config.normalize!r} divides each round's sum: every tensor "
+                f"must be floating point (integer tensors only with normalize='sum'), got "
+                f"{sorted({str(b.dtype) for b in self.layout.buckets})}"
             )
         self._store = store
         # One collective a round instead of two where the data allreduce can carry the header.
@@ -542,6 +552,9 @@ class PartialAllreduce(RoundRunner):
         # too and never complete it), is stuck, or stopped inside a round.
         if self._error is not None or stuck or self._in_round or not gpu_idle:
             self._retire_groups()
+            # The store clients go too (a stuck thread holds its own reference to the control plane, and
+            # releases it if it ever returns): this engine no longer keeps two store connections open.
+            self._control = self._store = None  # type: ignore[assignment]
             return
         if self.backend == "nccl":  # pragma: no cover - needs GPUs
             # Release the engine's NCCL communicator now rather than at garbage collection

@@ -51,7 +51,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from lightning_partial.collectives.checks import check_timedelta
+from lightning_partial.collectives.checks import check_int, check_timedelta, is_finite_number
 from lightning_partial.collectives.errors import PartialCollectiveError
 from lightning_partial.collectives.store import clone_store
 
@@ -98,12 +98,17 @@ class Heartbeat:
         name: str = "heartbeat",
     ) -> None:
         check_timedelta("heartbeat timeout", timeout)
+        check_int("rank", rank, minimum=0)  # a bool or a float would pass the range check below
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
-        if interval is not None and not (isinstance(interval, (int, float)) and 0 < interval < timeout.total_seconds()):
+        if interval is not None and not (is_finite_number(interval) and 0 < interval < timeout.total_seconds()):
             raise ValueError(f"heartbeat interval must be in (0, timeout), got {interval!r}")
-        if exit_grace is not None and not (isinstance(exit_grace, (int, float)) and exit_grace > 0):
-            raise ValueError(f"exit_grace must be a positive number of seconds or None, got {exit_grace!r}")
+        # The watchdog waits exit_grace on an Event, which refuses more than threading.TIMEOUT_MAX (OverflowError).
+        if exit_grace is not None and not (is_finite_number(exit_grace) and 0 < exit_grace <= threading.TIMEOUT_MAX):
+            raise ValueError(
+                f"exit_grace must be a finite positive number of seconds (at most threading.TIMEOUT_MAX) or None, "
+                f"got {exit_grace!r}"
+            )
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
@@ -201,11 +206,18 @@ class Heartbeat:
         self._stopped.set()
         self._poke.set()  # the store thread waits on it between beats
         threads, self._threads = self._threads, []
+        stuck = False
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=self.interval + 1.0)
+                stuck = stuck or thread.is_alive()
         self._client = None
-        if client is not None and self._verdict is None:
+        if stuck:
+            # The store thread may be blocked on this same client (one connection): the write would queue
+            # behind that call, and stop() would no longer be bounded. "done" is best effort: without it a
+            # watcher still running names this rank after ``timeout``, as it would a rank that stopped.
+            log.debug("rank %d: heartbeat thread still running after its join: not marking itself done", self.rank)
+        elif client is not None and self._verdict is None:
             try:
                 client.set(str(self.rank), _DONE)
             except Exception as err:  # the store's host may be gone already

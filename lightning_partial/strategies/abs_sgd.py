@@ -9,7 +9,11 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   (usually zero or one; a slow rank may get several). The results are added up
   until a step is due (below); each step is one ``optimizer.step()``, preceded by Lightning's
   ``on_before_optimizer_step`` hooks and gradient clipping; ``trainer.global_step``
-  counts these steps, not the micro-batches.
+  counts these steps, not the micro-batches, and each step's hooks see it count
+  the steps before it (a batch may take several). What Lightning runs once per
+  batch cannot follow the steps and is refused at set-up (a
+  ``LightningModule.optimizer_step`` override, a step-interval
+  ``ReduceLROnPlateau``, ``limit_train_batches``).
 * **Weight prediction** (``weight_prediction=True``, main thread, no collective).
   A micro-batch's gradient is applied one round late: before its forward pass
   the last round's update is added to the weights, and after its backward pass
@@ -108,6 +112,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import Unpack, override
@@ -185,6 +190,28 @@ def check_validation_schedule(trainer: Any) -> None:
         "runs as many batches as its speed allows, so the ranks would validate at different times and wait for "
         "each other until the timeout. Validate at epoch ends: leave val_check_interval=1.0 (the default) and "
         "use check_val_every_n_epoch"
+    )
+
+
+def check_batch_limits(trainer: Any, *, world_size: int) -> None:
+    """Refuses ``Trainer(limit_train_batches=...)`` other than 1.0 (or 0: no training) on more than one rank.
+
+    Lightning counts the limit in this rank's own batches, and under ABS-SGD each rank runs as many
+    batches as its speed allows, while the strategy ends epochs at the round that completes the
+    dataset's samples: the ranks' epochs (and their epoch-end hooks: validation, checkpoints, all
+    collective) would end at different rounds. ``fast_dev_run`` (a debugging run of a few batches)
+    is let through.
+    """
+    limit = getattr(trainer, "limit_train_batches", 1.0)
+    if world_size <= 1 or getattr(trainer, "fast_dev_run", False):
+        return
+    if (isinstance(limit, float) and limit == 1.0) or (limit == 0 and not isinstance(limit, bool)):
+        return
+    raise ValueError(
+        f"abs_sgd: Trainer(limit_train_batches={limit!r}) counts each rank's own batches, and each rank runs as "
+        "many batches as its speed allows, while abs_sgd ends every rank's epoch at the round that completes the "
+        "dataset's samples: the ranks' epochs would end at different rounds. Limit the data instead (a "
+        "torch.utils.data.Subset of the dataset), or the fit with max_steps (rounds) or max_epochs"
     )
 
 
@@ -275,7 +302,12 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             and others with ``betas``) or an ``AdaptiveBatchSize`` callback is in the
             fit (persistent speeds, which its sizes follow), ``1`` otherwise. Measured
             in docs/staleness.md (abs_sgd without the delay).
-        shuffle, seed: the elastic sampler's shuffling (as ``DistributedSampler``'s).
+        shuffle, seed: the elastic sampler's shuffling (as ``DistributedSampler``'s); a train loader
+            built with ``shuffle=False`` keeps its order.
+        find_unused_parameters: a parameter that no micro-batch of an optimizer step used, on any rank,
+            keeps ``grad = None`` in that step (no momentum, no weight decay), as DDP's option of that
+            name; its presence rides beside the gradients (one number per parameter tensor). Without it
+            (default) a missing gradient counts as zeros.
         timeout, collective_timeout, process_group_backend, start_method: as for every strategy here.
     """
 
@@ -300,6 +332,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         delay: Union[int, str] = "auto",
         shuffle: bool = True,
         seed: int = 0,
+        find_unused_parameters: bool = False,
         **kwargs: Unpack[StrategyOptions],
     ) -> None:
         super().__init__(**kwargs)
@@ -331,6 +364,10 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             raise ValueError(f"{self.strategy_name}: seed must be an integer, got {seed!r}")
         self.shuffle = shuffle
         self.seed = seed
+        if not isinstance(find_unused_parameters, bool):
+            raise ValueError(f"{self.strategy_name}: find_unused_parameters must be a bool, got {find_unused_parameters!r}")
+        self.find_unused_parameters = find_unused_parameters
+        self._accumulator.presence = find_unused_parameters  # its rounds carry the presence numbers too
         self.staleness_rule = compensation.check_rule(staleness_rule, owner=self.strategy_name)
         self._set_weight_prediction(weight_prediction)
         self._set_final_sync(final_sync)
@@ -383,6 +420,18 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                 f"{trainer.accumulate_grad_batches}) must be 1"
             )
         check_validation_schedule(trainer)
+        check_batch_limits(trainer, world_size=self.world_size)
+        if is_overridden("optimizer_step", self.lightning_module, pl.LightningModule):
+            # Lightning calls it once per batch, keyed by the batch's global step; here a batch is a
+            # micro-batch that takes zero, one or several optimizer steps, each rank in its own batches.
+            raise ValueError(
+                f"abs_sgd: {type(self.lightning_module).__name__}.optimizer_step is overridden; Lightning calls it "
+                "once per batch, and under abs_sgd a batch is a micro-batch that takes zero, one or several "
+                "optimizer steps, each rank in its own batches, so what it does per step (a warm-up from "
+                "trainer.global_step) would differ between the ranks and the replicas would drift apart. Set the "
+                "learning rate in on_before_optimizer_step (it runs before every optimizer step, with "
+                "trainer.global_step counting the steps) or use an LR scheduler with interval='step'"
+            )
         if trainer.min_steps:
             # Lightning holds a stop back while the rank's *own* global_step is below min_steps.
             raise ValueError(
@@ -391,6 +440,14 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                 "so the fit would end on some ranks and go on on others. Use min_epochs: epoch ends are the same "
                 "round on every rank"
             )
+        for config in trainer.lr_scheduler_configs:
+            if config.reduce_on_plateau and config.interval == "step":
+                raise ValueError(
+                    f"abs_sgd: a ReduceLROnPlateau with interval='step' steps after every batch on the metric "
+                    f"{config.monitor!r} of that rank's own micro-batch, and each rank runs as many batches as its "
+                    "speed allows, so the ranks' learning rates would differ and the replicas drift apart. Use "
+                    "interval='epoch' (epoch ends are the same round on every rank)"
+                )
         self._staleness = compensation.resolve_all(self.staleness_rule, self.optimizers, owner=self.strategy_name,
                                                    spike=True)
         self._delay = self._resolve_delay(trainer)
@@ -427,12 +484,24 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                     "Trainer(use_distributed_sampler=True) (the default), or pass "
                     "DataLoader(batch_sampler=lightning_partial.data.ElasticBatchSampler(...))"
                 )
+            if type(sampler) is not DistributedSampler:
+                # Lightning wraps a user's own sampler (DistributedSamplerWrapper): an elastic sampler
+                # cannot draw what it would draw, and dropping it silently would train other samples.
+                inner = getattr(getattr(sampler, "dataset", None), "_sampler", None)
+                what = type(inner).__name__ if inner is not None else type(sampler).__name__
+                raise ValueError(
+                    f"abs_sgd gives fast ranks more samples than slow ones, so it replaces the train loader's "
+                    f"sampler, and cannot keep this one ({what}): use DataLoader(shuffle=True or False) with "
+                    "Trainer(use_distributed_sampler=True), or pass "
+                    "DataLoader(batch_sampler=lightning_partial.data.ElasticBatchSampler(...))"
+                )
             self.sampler = ElasticBatchSampler(
                 len(cast(Sized, dataloader.dataset)),  # a map-style dataset: the sampler has the check
                 batch_size=dataloader.batch_size,
                 num_replicas=self.world_size,
                 rank=self.global_rank,
-                shuffle=self.shuffle,
+                # DataLoader(shuffle=False) keeps its order, as Lightning's DistributedSampler would.
+                shuffle=self.shuffle and sampler.shuffle,
                 seed=self.seed,
             )
             extra: dict[str, Any] = {}
@@ -526,8 +595,10 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             name=f"abs_sgd-{index}",
             **({"sync_from": 0} if self._delay == 0 else self._finish_thresholds(max_epochs, max_rounds)),
         )
-        return DelayedAllreduce(config, store=store, rank=self.global_rank, world_size=self.world_size,
-                                like=[p.detach() for p in params])
+        like = [p.detach() for p in params]
+        if self.find_unused_parameters:
+            like.append(self._presence(params, [True] * len(params)))
+        return DelayedAllreduce(config, store=store, rank=self.global_rank, world_size=self.world_size, like=like)
 
     def _resolve_delay(self, trainer: "pl.Trainer") -> int:
         """``delay`` for this fit: ``"auto"`` is 0 when every optimizer is Adam-like or an ``AdaptiveBatchSize``
@@ -598,6 +669,10 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         return base
 
     @override
+    def _layout_options(self) -> dict[str, bool]:
+        return {"find_unused_parameters": self.find_unused_parameters}
+
+    @override
     def _fit_states(self) -> list[FitState]:
         """Weight prediction's, and the rounds accumulated since the last step (saved, resumed, reset per fit)."""
         return [*super()._fit_states(), self._accumulator]
@@ -617,6 +692,17 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         return rule
 
     # ------------------------------------------------------------- training
+    @override
+    def _stop_now(self) -> bool:
+        """Not at a batch that ends this rank's epoch: a rank handed the epoch's last round and the stop round
+        in one batch runs that last batch and the epoch-end hooks (validation, epoch-end checkpoints: collective),
+        as a rank that saw the epoch end before the stop reached it does, and stops at the next batch start."""
+        engine = self._engines.get(0)
+        if (self._stopped and engine is not None
+                and engine.progress().epochs_completed > self._trainer.current_epoch):
+            return False
+        return super()._stop_now()
+
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Records the micro-batch's samples; ends the epoch (or the fit) where the rounds say so."""
@@ -701,8 +787,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                 if engine.holding:
                     results = engine.arrive()
                     self._held[index] = 0
-                    steps = self._apply(index, self.optimizers[index], results)
-                    _compat.add_optimizer_steps(self._trainer, steps)  # after Lightning counted this batch's
+                    self._apply(index, self.optimizers[index], results)  # counts its steps (after this batch's)
 
     @override
     def _engine_step(self, index: int, optimizer: Optimizer, closure: Callable[[], Any], model: StepModel,
@@ -725,6 +810,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                 output = closure()
             prediction.release(index, saved)  # not held while the results are applied
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if self.find_unused_parameters:
+            grads.append(self._presence(params, [p.grad is not None for p in params]))
         samples = max(self._batch_samples, 1)
         # In synchronous rounds every rank arrives with the last of its ``micro_batches_per_round`` (counted
         # from its first synchronous deposit: the ranks' batches stay in lock-step; the engine ignores
@@ -742,7 +829,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self._held[index] = held if engine.holding else 0
         self.step_lags.deposited(index, engine.deposit_round, steps_before, samples)
         steps = self._apply(index, optimizer, results, model)
-        _compat.add_optimizer_steps(self._trainer, steps - 1)
+        _compat.add_optimizer_steps(self._trainer, -1)  # _apply counted every step; Lightning adds one now
         if not steps:
             for p in params:
                 p.grad = None  # nothing was applied: leave no gradient behind
@@ -781,7 +868,15 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             # steps of the synchronous finish (the same rounds on every rank).
             staleness = 1 if not engine.is_fresh(first_round) and any(optimizer.state.get(p) for p in params) else 0
             weight = compensation.gradient_weight(optimizer, weights, staleness)
-            for p, g in zip(params, accumulator.take(index)):
+            gradient = accumulator.take(index)
+            used = [True] * len(params)
+            if self.find_unused_parameters:
+                *gradient, presence = gradient
+                used = presence.gt(0).tolist()  # the same sums on every rank: the same parameters stepped
+            for p, g, u in zip(params, gradient, used):
+                if not u:
+                    p.grad = None  # no micro-batch of this step used it, on any rank: untouched, as under DDP
+                    continue
                 if p.grad is None:
                     p.grad = g.clone()
                 else:
@@ -793,6 +888,11 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             before = prediction.begin(index, params) if prediction is not None else None
             optimizer.step()
             steps += 1
+            if not final:
+                # Counted at once: the next step's hooks (on_before_optimizer_step, clipping, a warm-up keyed
+                # by trainer.global_step) see the steps this batch took before it, the same on every rank
+                # whatever batches the rounds fell into. The final round's steps are not counted.
+                _compat.add_optimizer_steps(self._trainer, 1)
             self.step_lags.stepped(index, result.stats.round_index, accumulator.steps(index))
             # From the gradients as clipped (weight * g after clipping): the same direction and scale.
             compensation.compensate_step(optimizer, weights, params, staleness)
@@ -801,8 +901,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             if not final:
                 # Per optimizer step, not per batch: every rank then steps its schedulers at the same rounds.
                 _compat.step_round_schedulers(self._trainer, optimizer, accumulator.steps(index) - 1)
-                # Lightning adds this batch's steps after it: the global step this step reaches.
-                self._queue_step_saves(self._trainer.global_step + steps, result.stats.round_index)
+                self._queue_step_saves(self._trainer.global_step, result.stats.round_index)  # the step it reached
         return steps
 
     # ------------------------------------------------------------- agreement
@@ -910,7 +1009,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         (The base class adds the rounds accumulated since the last step and, with
         ``weight_prediction``, the last update: :meth:`_fit_states`.)
         """
-        if self._engines and not self._stopped:
+        # After a stop too: a save queued by a round before the stop round runs on every rank, on some
+        # before the stop reached them (PartialStrategy._stop_now), and the collectives must pair.
+        if self._engines:
             self._quiesce()
             try:
                 super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

@@ -74,15 +74,18 @@ class RoundAccumulator(CheckpointedState):
         reference_samples: the divisor of a step's gradient sum (``None``: the
             step's samples).
         boundary: ``"nearest"`` (default) or ``"at_least"`` (see the module docstring).
+        presence: each result ends with one presence number per parameter tensor (``abs_sgd``'s
+            ``find_unused_parameters``), summed with the gradients.
     """
 
     checkpoint_key = ACCUMULATED_KEY
 
     def __init__(self, step_samples: Optional[int], reference_samples: Optional[int], *,
-                 boundary: str = "nearest") -> None:
+                 boundary: str = "nearest", presence: bool = False) -> None:
         self.step_samples = step_samples
         self.reference_samples = reference_samples
         self.boundary = check_boundary(boundary, owner="RoundAccumulator")
+        self.presence = presence
         self._state: dict[int, _Accumulated] = {}
         self._resumed: Optional[dict[int, dict[str, Any]]] = None
 
@@ -152,12 +155,17 @@ class RoundAccumulator(CheckpointedState):
             state = _Accumulated(samples=int(saved.get("samples", 0)), rounds=int(saved.get("rounds", 0)),
                                  steps=int(saved.get("steps", 0)))
             if own is not None and total is not None:
-                if [t.shape for t in total] != [p.shape for p in own]:
+                like = [*own, own[0]] if self.presence else list(own)  # presence: in the first one's dtype
+                shapes = [p.shape for p in own] + ([torch.Size([len(own)])] if self.presence else [])
+                if [t.shape for t in total] != shapes:
+                    hint = "another model's checkpoint?"
+                    if len(total) == len(own) + (0 if self.presence else 1):
+                        hint = f"saved with find_unused_parameters={not self.presence}: resume with that"
                     raise ValueError(
                         f"abs_sgd: the checkpoint's accumulated rounds for optimizer {index} do not match its "
-                        "parameters' shapes (another model's checkpoint?)"
+                        f"parameters' shapes ({hint})"
                     )
-                state.sum = [t.to(device=p.device, dtype=p.dtype) for t, p in zip(total, own)]
+                state.sum = [t.to(device=p.device, dtype=p.dtype) for t, p in zip(total, like)]
             self._state[index] = state
 
     def save(self, checkpoint: dict[str, Any]) -> None:

@@ -81,6 +81,9 @@ CHECKPOINT_KEY = "lightning_partial"
 #: ``eager_sgd``'s ``overlap``: each optimizer's round result taken at the save and not yet applied
 #: (:class:`~lightning_partial.strategies.overlap.InFlight`): ``{index: {"tensors": [...], "applied": bool}}``.
 IN_FLIGHT_KEY = "lightning_partial_in_flight"
+#: The options that shaped the engines' saved state, those set only (``find_unused_parameters``: a presence
+#: number per parameter tensor rides with every gradient); a resume with another value is refused.
+LAYOUT_KEY = "lightning_partial_layout"
 
 
 
@@ -305,6 +308,7 @@ def drop_engine_state(src: _PATH, dst: _PATH) -> int:
     checkpoint = torch.load(src, map_location="cpu", weights_only=False)
     entry = checkpoint.pop(CHECKPOINT_KEY, None)
     dropped = _pending_count(entry) if isinstance(entry, dict) else 0
+    checkpoint.pop(LAYOUT_KEY, None)  # what shaped the engine state dropped here
     in_flight = checkpoint.pop(IN_FLIGHT_KEY, None)  # eager_sgd overlap: a result per optimizer, not yet applied
     dropped += len(in_flight) if isinstance(in_flight, dict) else 0
     save_atomically(checkpoint, dst)

@@ -229,6 +229,9 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         #: Batches this rank skipped in the current fit (``catch_up``): their samples were not trained.
         self.skipped_steps = 0
         self._warned_unskippable = False
+        #: Optimizer steps of the current fit whose gradient came computed before the step (manual optimization's
+        #: ``manual_backward`` then ``opt.step()``): at the current weights, which weight prediction cannot move.
+        self.unpredicted_steps = 0
         # Created here (no thread, no group: picklable); reset at every train start.
         self._in_flight: Optional[InFlight] = InFlight(extra=int(find_unused_parameters)) if overlap else None
         # With overlap, per optimizer: the re-timing of the step's delay (resolved at set-up), and the
@@ -252,6 +255,7 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
                 )
         if trainer.state.fn == TrainerFn.FITTING:
             self.skipped_steps = 0  # per fit (not restored by a resume); validate/test leave it as the fit left it
+            self.unpredicted_steps = 0
         # After the optimizers exist, before any rank trains: a rule the optimizer
         # cannot serve fails here.
         self._staleness = compensation.resolve_all(self.staleness_rule, self.optimizers, owner=self.strategy_name)
@@ -308,6 +312,8 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         # where it is applied if it misses its round (most gradients in solo mode), then the
         # weights are restored exactly. The copy taken here becomes this step's update.
         before = prediction.begin(index, params) if prediction is not None else None
+        if prediction is not None and _compat.computes_nothing(closure):
+            self._note_unpredicted()
 
         def closure_then_sync() -> Any:
             predicted = nullcontext() if prediction is None or before is None else prediction.predicted(
@@ -330,6 +336,16 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         if prediction is not None and before is not None:
             prediction.finish(index, params, before)  # the step's update, spike included
         return output
+
+    def _note_unpredicted(self) -> None:
+        """Weight prediction in force, but the step's gradient was computed before the step (``opt.step()``
+        without a closure): counted, and said once per fit."""
+        if not self.unpredicted_steps:
+            log.warning("rank %d: eager_sgd weight_prediction=True: the optimizer step's gradient was computed "
+                        "before the step (manual_backward, then opt.step()), at the current weights, not at the "
+                        "predicted ones. Pass the forward and backward as opt.step(closure=...) for prediction to "
+                        "apply, or weight_prediction=False", self.global_rank)
+        self.unpredicted_steps += 1
 
     def _can_skip(self, closure: Callable[[], Any]) -> bool:
         """``catch_up``: whether this step may skip its closure. Not while batches accumulate (a
@@ -368,11 +384,6 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         weights = self._retiming.get(index)
         if delay and weights is not None:
             compensation.compensate_step(self.optimizers[index], weights, self._params[index], delay)
-
-    @staticmethod
-    def _presence(params: list[torch.nn.Parameter], present: list[bool]) -> torch.Tensor:
-        """1 per parameter with a gradient, in the first parameter's dtype and device (its buffer)."""
-        return torch.tensor(present, dtype=params[0].dtype).to(params[0].device, non_blocking=True)
 
     def _synchronise(self, index: int, *, skip: bool = False) -> None:
         """Main thread, after the closure's backward: the step's gradient to its round, a round's result into
@@ -487,6 +498,10 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         optimizer.step()
         self._compensate_delay(index)
         optimizer.zero_grad()
+
+    @override
+    def _layout_options(self) -> dict[str, bool]:
+        return {"find_unused_parameters": self.find_unused_parameters}
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -63,7 +63,8 @@ from lightning_partial.collectives.errors import PartialCollectiveTimeout, error
 from lightning_partial.collectives.liveness import Heartbeat
 from lightning_partial.collectives.staleness import StalenessWeights
 from lightning_partial.strategies.agreed_clock import AgreedClock
-from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY, gather_engine_states, resume_entry, state_for_rank
+from lightning_partial.strategies.checkpoint import (CHECKPOINT_KEY, LAYOUT_KEY, CheckpointMismatchError,
+                                                     gather_engine_states, resume_entry, state_for_rank)
 from lightning_partial.strategies.final_sync import check_final_sync, first_sync_round
 from lightning_partial.strategies.fit_state import FitState
 from lightning_partial.strategies.options import ProcessGroupOptions
@@ -170,6 +171,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         self._store: Optional[dist.Store] = None
         self._heartbeat: Optional[Heartbeat] = None
         self._stopped = False  # a round carried a stop request: every rank stops at it
+        self._stop_round: Optional[int] = None  # that round (the first engine's to carry one)
         self._finishing = False  # a round carried a finish request: every rank ends its fit at it
         self._clock: Optional[AgreedClock] = None  # built per fit at train start
         # Checkpoint saves that applied rounds called for, with the round, in round order (every rank queues
@@ -325,7 +327,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         self.round_stats.clear()  # this fit's rounds only (what a failed collective names, what callbacks read)
         # Nothing of an earlier fit on this trainer: its stop (Lightning resets its own flag every run), and its
         # final engine states (a checkpoint after this fit has this fit's).
-        self._stopped = False
+        self._stopped, self._stop_round = False, None
         self._final_states = {}
         self._store = create_store(timeout=self._timeout, group=self.collective_group)
         resume = self._resume_state
@@ -353,7 +355,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         if not self.synchronous:
             # A globally synchronous step costs the broadcast nothing extra: keep
             # Lightning's own SIGTERM handling and clock decisions in pure sync mode.
-            _compat.replace_sigterm_broadcast(trainer, lambda: self._stopped)
+            _compat.replace_sigterm_broadcast(trainer, self._stop_now)
             if self._engines:
                 self._clock = AgreedClock(
                     rank=self.global_rank, finish=self._request_finish, announce=self._announce,
@@ -467,8 +469,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         self.round_stats[index] = stats
         for listener in self.round_listeners:
             listener(index, stats)
-        if stats.stop:
+        if stats.stop and not self._stopped:
             self._stopped = True  # the next batch start raises SIGTERMException on every rank
+            self._stop_round = stats.round_index
         clock = self._clock
         if clock is not None and stats.announced and self._engines and index == min(self._engines):
             for checkpoint in clock.record(stats.announced):
@@ -493,6 +496,33 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         self._run_pending_saves(before=self._save_boundary)
         if self._clock is not None:
             self._clock.at_batch_start(self._trainer)
+
+    @staticmethod
+    def _presence(params: list[torch.nn.Parameter], present: list[bool]) -> torch.Tensor:
+        """``find_unused_parameters`` (the gradient strategies): 1 per parameter with a gradient, in the first
+        parameter's dtype and device, sent beside the gradients; summed, it says which parameters some
+        contribution used (the others keep ``grad = None``, as under DDP)."""
+        return torch.tensor(present, dtype=params[0].dtype).to(params[0].device, non_blocking=True)
+
+    def _stop_now(self) -> bool:
+        """Every rank, main thread, at each batch start (in place of Lightning's SIGTERM broadcast): whether a
+        round carried a stop, after the saves queued by the rounds before it.
+
+        Every rank queues those saves, each collective; a rank that applies round ``r`` and the stop
+        round in one batch (``abs_sgd``, whose ranks apply a round in batches of their own) would
+        otherwise stop with ``r``'s save queued while a rank that applied ``r`` a batch earlier runs it
+        and waits in its collectives for the stopped ones. The saves of the stop round itself run on no
+        rank. (Where every rank applies round ``r`` in step ``r``, none is left by then.)
+        """
+        if not self._stopped:
+            return False
+        self._saves_before_stop()
+        return True
+
+    def _saves_before_stop(self) -> None:
+        """The queued saves called for by the rounds before the stop round, the others dropped (every rank)."""
+        self._run_pending_saves(before=self._stop_round)
+        self._pending_saves.clear()
 
     def _run_pending_saves(self, before: Optional[int] = None) -> None:
         """Every rank, main thread, collective (each save is): the queued saves in the order queued, those
@@ -543,6 +573,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         if not self._stopped:
             self._run_pending_saves()
         if self._stopped:
+            self._saves_before_stop()
             # A stop request ended the engines at the same round on every rank. Usually the next
             # batch start then raises SIGTERMException and this hook never runs; it runs when the
             # stop rode in the last step's round (the fit loop ended first). Then every rank is
@@ -675,6 +706,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             # Identical on every rank (rank 0 writes it), so that a resumed fit goes on as the
             # uninterrupted one would have (prediction's last update, abs_sgd's accumulated rounds).
             state.save(checkpoint)
+        layout = {name: value for name, value in self._layout_options().items() if value}
+        if layout:
+            checkpoint[LAYOUT_KEY] = layout
         states = {i: e.state_dict() for i, e in self._engines.items()} or dict(self._final_states)
         if states and _compat._distributed_is_initialized():
             entry = gather_engine_states(
@@ -707,6 +741,17 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             for state in self._fit_states():
                 state.forget_loaded()
             return checkpoint
+        if checkpoint.get(CHECKPOINT_KEY) is not None:
+            saved = checkpoint.get(LAYOUT_KEY) or {}
+            for name, value in self._layout_options().items():
+                if bool(saved.get(name, False)) != value:
+                    raise CheckpointMismatchError(
+                        f"the checkpoint was saved with {name}={not value}, and its engine state (pending "
+                        f"gradients, results not yet applied) has that layout: resume with {name}={not value}, or "
+                        "drop the engine state with lightning_partial.strategies.checkpoint.drop_engine_state(src, "
+                        "dst)",
+                        source=checkpoint_path,
+                    )
         for state in self._fit_states():
             state.load(checkpoint)
         self._resume_state = resume_entry(
@@ -726,10 +771,21 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         self._release_fit()
         self._close_engines()
         self._release_store(agreed=False)
+        module = self.lightning_module
+        if (self._layer_sync is not None and module is not None and module._trainer is not None
+                and module._trainer.state.fn == TrainerFn.FITTING and self.model is not None):
+            # sync_batchnorm=True (mode="sync" only): the user's module leaves the fit with the layers it
+            # came with, as under DDP; a later fit of it under a partial mode is otherwise refused.
+            self.model = self._layer_sync.revert(self.model)
         super().teardown()
 
     def _release_fit(self) -> None:
         """Every rank, at teardown, after the end of fit: what a subclass's fit holds beyond the engines."""
+
+    def _layout_options(self) -> dict[str, bool]:
+        """Options that change what a round carries, hence the engines' saved state: a checkpoint records the
+        ones set (``LAYOUT_KEY``), and a fit resumed with another value is refused (:meth:`load_checkpoint`)."""
+        return {}
 
     def _end_a_fit_without_batches(self) -> None:
         """Every rank, main thread, at teardown: a fit resumed from a checkpoint whose training was done already

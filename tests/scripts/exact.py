@@ -227,6 +227,7 @@ def main() -> None:
             "train_rank_mean": float(trainer.callback_metrics.get("train_rank_mean", float("nan"))),
             "global_step": trainer.global_step,
             "skipped_steps": getattr(trainer.strategy, "skipped_steps", 0),
+            "unpredicted_steps": getattr(trainer.strategy, "unpredicted_steps", 0),
             "rounds": probe.rounds,
         }
 

@@ -194,6 +194,8 @@ class EpochProbe(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         # Every optimizer step, the strategies' own (eager_sgd's final flush step) included.
         self.before_steps = getattr(self, "before_steps", 0) + 1
+        # The global step each step's hooks see (abs_sgd: several steps may fall in one batch).
+        self.step_seen = [*getattr(self, "step_seen", []), trainer.global_step]
 
 
 class Probe(L.Callback):
@@ -404,6 +406,7 @@ def main() -> None:
         record["epoch_samples"] = epochs.samples
         record["epoch_first_batch"] = epochs.first_sizes
         record["before_optimizer_steps"] = getattr(epochs, "before_steps", 0)
+        record["step_seen"] = getattr(epochs, "step_seen", [])
         record["saved_at"] = getattr(epochs, "saved_at", [])
         record["saved_names"] = getattr(epochs, "saved_names", [])
         last = getattr(trainer.strategy, "round_stats", {}).get(0)
