@@ -63,6 +63,16 @@ def test_adaptive_batch_size_bad_input():
         AdaptiveBatchSize(window=0)
 
 
+def assert_about_the_step(sizes, counts, context) -> None:
+    """A synchronous round split by AdaptiveBatchSize(min_batch_size=2) holds about the step's 64 samples: each
+    rank's share rounded to ``n`` micro-batches (at most ``n / 2`` off per rank), and a share the measured speeds
+    make tiny raised to 2 (at most ``2 n`` more each). A CI run on a loaded host measured speeds skewed enough
+    for a round of 76 samples, beyond what rounding alone allows."""
+    n = counts[0]
+    raised = sum(1 for b in sizes if b == 2)
+    assert 64 - 2 * n <= sum(c * b for c, b in zip(counts, sizes)) <= 64 + 2 * n * (1 + raised), context
+
+
 def run_fit(out: Path, *extra: str, launch: str = "fork") -> list[dict]:
     """A 4-process abs_sgd fit of tests/scripts/fit.py (``launch``: its ``--launch``); the rank records."""
     proc = forkrun.run(fit_command(out, "--strategy", "abs_sgd", *extra, launch=launch), env=FIT_ENV, timeout=240)
@@ -108,7 +118,8 @@ def test_fit_two_epochs_under_persistent_heterogeneity(tmp_path):
     last = [s for s in sizes if not s[3]][-1][1]  # the asynchronous rounds' rule (the finish splits the step)
     assert max(last) == 16, sizes  # the fastest keeps the loader's 16
     for _, split_sizes, counts, _ in (s for s in sizes if s[3]):  # the finish: about the global batch of 64
-        assert max(split_sizes) <= 16 and 56 <= sum(n * b for n, b in zip(counts, split_sizes)) <= 72, sizes
+        assert max(split_sizes) <= 16, sizes
+        assert_about_the_step(split_sizes, counts, sizes)
         assert len(set(counts)) == 1, sizes  # the same count on every rank
     # The slowest rank's sizes are the smallest over the fit. One adjustment alone can tie (seen in CI:
     # [16, 10, 12, 10] at the last one), since each follows the speeds measured in its own window.
@@ -163,7 +174,7 @@ def test_adamw_runs_synchronous_rounds_sized_by_each_ranks_measured_speed(tmp_pa
     for _, sizes, counts, split in updates:  # every window synchronous: the step split by speed
         assert split, updates
         assert max(sizes) <= 16 and min(counts) >= 1, updates
-        assert 56 <= sum(n * b for n, b in zip(counts, sizes)) <= 72, updates  # about 64: rounding only
+        assert_about_the_step(sizes, counts, updates)
     assert any(max(u[2]) > 1 for u in updates), updates  # a fast rank's share exceeds 16
     assert all(len(set(u[2])) == 1 for u in updates), updates  # the same count on every rank: lock-step batches
     batches = [r["epoch_batches"] for r in records]

@@ -441,6 +441,27 @@ def test_store_stays_flat():
     assert counts[239] <= counts[40] + 2 * P, counts
 
 
+def test_a_late_wake_leaves_no_key_behind():
+    """A caller reads its thread's waiting round, then wakes it; if the round ran and was collected in between,
+    the wake creates its activation key again. The next collection deletes it (here the late wake is made by
+    hand, after round 1 completed, i.e. after round 0 was collected)."""
+    def fn(rank, store):
+        e = PartialAllreduce(config(mode="solo", name="latewake"), store=store, rank=rank, world_size=2,
+                             like=torch.zeros(1))
+        e.start()
+        try:
+            for step in range(4):
+                e.arrive(torch.ones(1))
+                if step == 1:
+                    e._control.wake(0)  # as a deposit() that read round 0 as the one its thread waits for
+            e.flush()
+            return store.check([f"lightning_partial/latewake/ctl/go/0/{rank}"])
+        finally:
+            e.close()
+
+    assert run_threads(2, fn, timeout=60) == [False, False]
+
+
 def _control_stores(kind: str):
     """The store two ControlPlanes share (each opens its own clients of it), of each kind c10d has."""
     if kind.startswith("tcp"):
@@ -706,7 +727,9 @@ class TestBadInput:
             (dict(mode="quorum", backup_workers=4), 4, 0, r"backup_workers must be below the world size 4"),
             (dict(mode="majority"), 1, 0, "majority' needs at least 2 ranks"),
             (dict(mode="solo"), 4, 4, r"rank must be in 0..3"),
-            (dict(mode="solo"), 0, 0, "world size must be >= 1"),
+            (dict(mode="solo"), 0, 0, "world size must be an integer >= 1, got 0"),
+            (dict(mode="solo"), True, 0, "world size must be an integer >= 1, got True"),
+            (dict(mode="solo"), 2.5, 0, r"world size must be an integer >= 1, got 2\.5"),
         ],
     )
     def test_engine(self, kw, world, rank, match):

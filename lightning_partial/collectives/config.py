@@ -162,8 +162,8 @@ class PartialAllreduceConfig(EngineBounds):
 
     def validate_world(self, world_size: int) -> None:
         """Checks what depends on the number of ranks ``P``; raises ``ValueError``."""
-        if world_size < 1:
-            raise ValueError(f"world size must be >= 1, got {world_size}")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
         if self.mode == "quorum" and self.backup_workers is not None and self.backup_workers >= world_size:
             raise ValueError(
                 f"backup_workers must be below the world size {world_size}, got {self.backup_workers}: "

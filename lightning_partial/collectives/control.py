@@ -153,6 +153,9 @@ class ControlPlane:
             self._call(lambda: self.main.compare_set(key, "", WOKEN), round_index, what)
         else:
             self._call(lambda: self.main.add(key, 0), round_index, what)
+        # The caller read the waiting round before this call: if the round ran and was collected meanwhile, the
+        # key is created again, and only the next collection (or finish) deletes it.
+        self.discard(key)
 
     def collect(self, round_index: int, *, activated_through_store: bool) -> None:
         """Deletes this rank's activation key of a completed round and any discarded keys."""
