@@ -66,6 +66,12 @@ def test_load_imbalance_rejects_bad_options_at_construction(kw: dict[str, Any], 
 def test_tracker_and_wandb_logger_reject_bad_options() -> None:
     with pytest.raises(ValueError, match="StalenessTracker: log must be a bool"):
         StalenessTracker(log="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="GroupRotation: log must be a bool"):
+        GroupRotation(log="yes")  # type: ignore[arg-type]
+    from lightning_partial.callbacks import AdaptiveBatchSize
+
+    with pytest.raises(ValueError, match="AdaptiveBatchSize: log must be a bool"):
+        AdaptiveBatchSize(log=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="wandb_logger: project"):
         wandb_logger(project="")
     with pytest.raises(ValueError, match="wandb_logger: offline"):
@@ -625,3 +631,36 @@ def test_a_skipped_batch_is_logged_and_counted() -> None:
     summary.add(stats)
     summary.add(dataclasses.replace(stats, round_index=4, skipped=False))
     assert summary.skipped == 1 and summary.as_dict()["skipped"] == 1
+
+
+def test_a_second_fit_counts_and_logs_its_own_rounds(tmp_path: Path) -> None:
+    """The same StalenessTracker and GroupRotation in a second fit, whose rounds start again at 0: it logs them
+    and counts them from its own first round (it skipped every round up to the first fit's last)."""
+    tracker, rotation = StalenessTracker(), GroupRotation()
+    tiny_fit(tmp_path / "a", [tracker, rotation], steps=6, strategy=SyntheticGroupRounds(), csv_logger=True)
+    assert tracker.summary[0].rounds == 6 and len(rotation.history) == 6
+    tiny_fit(tmp_path / "b", [tracker, rotation], steps=4, strategy=SyntheticGroupRounds(), csv_logger=True)
+    assert (tracker.summary[0].rounds, tracker.summary[0].last_round) == (4, 3)
+    rows = _csv_rows(tmp_path / "b")
+    assert [float(r["partial/round"]) for r in rows if r.get("partial/round")] == [0.0, 1.0, 2.0, 3.0]
+    assert len([r for r in rows if r.get("groups/group_size")]) == 4
+
+
+class _LargeGroupRounds(SyntheticRounds):
+    """Group rounds of ranks 0 and 1024: a members mask no float holds."""
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        for index, stats in self.round_stats.items():
+            self.round_stats[index] = dataclasses.replace(stats, group=(0, 1024), group_id=0)
+        return out
+
+
+def test_group_rotation_logs_no_members_mask_for_ranks_from_53_on(tmp_path: Path) -> None:
+    """groups/members is a float bit mask: exact below 2**53, an OverflowError from 1024 ranks (which ended the
+    fit on every rank); for such groups it is not logged, the size and id are."""
+    rotation = GroupRotation()
+    tiny_fit(tmp_path, [rotation], steps=3, strategy=_LargeGroupRounds(), csv_logger=True)
+    rows = [r for r in _csv_rows(tmp_path) if r.get("groups/group_size")]
+    assert len(rows) == 3 and all(float(r["groups/group_size"]) == 2.0 and not r.get("groups/members") for r in rows)
+    assert [record.members for record in rotation.history] == [(0, 1024)] * 3

@@ -42,6 +42,8 @@ def test_registry_names():
     "build, match",
     [
         (lambda: WAGMAStrategy(group_size=3), "group_size must be a power of two"),
+        (lambda: WAGMAStrategy(group_size=2, schedule=ButterflySchedule(world_size=4, group_size=4)),
+         "group_size and schedule both given"),
         (lambda: WAGMAStrategy(global_every=0), "tau"),
         (lambda: WAGMAStrategy(normalize="mean"), "unknown normalize"),
         (lambda: WAGMAStrategy(mode="fastest"), "unknown mode"),
@@ -92,6 +94,10 @@ def test_default_schedules():
     assert WAGMAStrategy().build_schedule(4) == ButterflySchedule(world_size=4, group_size=2)
     assert WAGMAStrategy().build_schedule(64).group_size == 8
     assert DSSyncStrategy(seed=3).build_schedule(4) == ShuffleSchedule(world_size=4, num_groups=2, seed=3)
+    # An odd world size: groups of its smallest divisor (the default had named num_groups at P = 5, 7, 9).
+    for world, groups in ((1, 1), (3, 1), (5, 1), (6, 3), (7, 1), (9, 3), (15, 5)):
+        DSSyncStrategy().validate_world(world)
+        assert DSSyncStrategy().build_schedule(world).num_groups == groups, world
 
 
 def run_fit(out: Path, strategy: str, *extra: str, launch: str = "fork") -> list[dict]:

@@ -359,6 +359,26 @@ def test_global_batch_scaling_exact_cases():
     assert torch.equal(other.detach(), torch.full((2,), 5.0))
 
 
+def test_global_batch_scaling_leaves_radams_unrectified_steps_alone():
+    """RAdam's first steps (rho_t <= 5: the first 5 at beta2 = 0.999) move by the first moment alone, so the
+    averaged local steps already are DDP's: not scaled; from its first rectified step on, scaled as Adam's."""
+    from lightning_partial.strategies.adaptive_scaling import radam_rectified
+
+    assert [radam_rectified(t, 0.999) for t in range(1, 8)] == [False] * 5 + [True] * 2
+    scaling = GlobalBatchScaling(world_size=4)
+    param = torch.nn.Parameter(torch.tensor([4.0, 8.0]))
+    optimizer = torch.optim.RAdam([param], lr=0.5)
+    for t in range(1, 8):
+        param.grad = torch.tensor([1.0, -1.0]) if t % 2 else torch.tensor([-1.0, 1.0])  # noise: m about 0
+        scaling.begin(0, optimizer, [param])
+        before = param.detach().clone()
+        optimizer.step()
+        moved = param.detach() - before
+        scaling.finish(0, optimizer, [param])
+        scaled = not torch.equal(param.detach() - before, moved)
+        assert scaled == (t >= 6), t
+
+
 def test_global_batch_scaling_applies_to_the_adam_family_on_more_than_one_rank():
     param = [torch.nn.Parameter(torch.zeros(1))]
     for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam):

@@ -84,6 +84,8 @@ class AdaptiveBatchSize(Callback):
         check_int("window", window, owner="AdaptiveBatchSize")
         check_int("min_batch_size", min_batch_size, owner="AdaptiveBatchSize")
         check_int("history", history, minimum=0, owner="AdaptiveBatchSize")
+        if not isinstance(log, bool):
+            raise ValueError(f"AdaptiveBatchSize: log must be a bool, got {log!r}")
         self.window = window
         self.min_batch_size = min_batch_size
         # Not ``self.log``: Lightning sets every callback's ``log`` to the module's at fit start.

@@ -10,8 +10,8 @@ latest round statistics (``round_stats``) and logs, per optimizer:
 * ``groups/group_id``: the index of this rank's group in the round's partition
   (``-1``: a global average);
 * ``groups/group_size`` and ``groups/members``: the members as a bit mask
-  (``sum(2**m)``: exact up to 2**53, i.e. 53 ranks; :attr:`GroupRotation.history`
-  keeps the tuples for any size);
+  (``sum(2**m)``: exact up to 2**53, i.e. 53 ranks, and logged only for groups
+  of ranks below 53; :attr:`GroupRotation.history` keeps the tuples for any size);
 * ``groups/consensus``: the consensus distance ``mean_i ||w_i - mean||^2``, in
   the rounds that measured it (every global round, and every
   ``consensus_every`` rounds).
@@ -34,6 +34,9 @@ from lightning_partial.collectives.schedules import Schedule, SwitchingSchedule
 from lightning_partial.strategies.options import ScheduleSource
 
 log = logging.getLogger(__name__)
+
+#: ``groups/members`` is logged for groups of ranks below this: the bit mask is a float, exact up to 2**53.
+MASK_RANKS = 53
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,8 @@ class GroupRotation(Callback):
         self.schedule = schedule
         self.switch_at = switch_at
         self.consensus_every = consensus_every
+        if not isinstance(log, bool):
+            raise ValueError(f"GroupRotation: log must be a bool, got {log!r}")
         # Not ``self.log``: Lightning sets every callback's ``log`` to the module's at fit start.
         self._log = log
         self.history: deque[GroupRecord] = deque(maxlen=history)
@@ -103,6 +108,7 @@ class GroupRotation(Callback):
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._pending.clear()  # nothing of an earlier fit is logged in this one
+        self._last_round.clear()  # a later fit's rounds start again
         strategy = self._model_averaging(trainer)
         if strategy is None:
             if self.schedule is not None or self.switch_at:
@@ -154,8 +160,9 @@ class GroupRotation(Callback):
             metrics = {
                 f"groups/group_id{suffix}": float(group_id),
                 f"groups/group_size{suffix}": float(len(stats.group)),
-                f"groups/members{suffix}": float(sum(2**m for m in stats.group)),
             }
+            if max(stats.group) < MASK_RANKS:  # beyond, the mask is inexact, and from 1024 ranks not a float
+                metrics[f"groups/members{suffix}"] = float(sum(2**m for m in stats.group))
             if stats.consensus is not None:
                 metrics[f"groups/consensus{suffix}"] = float(stats.consensus)
             self._pending.add(metrics)

@@ -223,6 +223,9 @@ class StalenessTracker(Callback):
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage == "fit":
+            # Each fit counts its own rounds: a later fit (or a resumed one) starts from its own first round.
+            self.summary.clear()
+            self.last.clear()
             self._round_stats(trainer)  # warns at set-up rather than at the first batch
 
     @override

@@ -33,7 +33,8 @@ decay is left as it was. ``m^2`` estimates the squared mean gradient from the
 rank's own running mean, whose noise biases it slightly up, so ``c`` errs
 towards 1 (no scaling). A parameter whose step was skipped (its ``step`` did
 not advance: no gradient, or a precision plugin that skipped the step) is left
-alone.
+alone, and so are RAdam's first, unrectified steps (``rho_t <= 5``), which
+divide by no second moment: their average already is DDP's step.
 
 Main thread only, no collective: each rank rescales its own step from its own
 optimizer state, before the step's model goes to the group average. One
@@ -120,6 +121,15 @@ def signal_part(exp_avg: list[Tensor], second: list[Tensor], *, t: float, betas:
     return s
 
 
+def radam_rectified(t: float, beta2: float) -> bool:
+    """Whether RAdam's step ``t`` (from 1) divides by the root of its second moment (``rho_t > 5``, as
+    ``torch.optim.RAdam``); before that (the first 5 steps at ``beta2 = 0.999``) it steps by the first moment
+    alone, which the rule must not scale."""
+    rho_inf = 2.0 / (1.0 - beta2) - 1.0
+    rho_t = rho_inf - 2.0 * t * beta2**t / (1.0 - beta2**t)
+    return rho_t > 5.0
+
+
 def _steps(optimizer: Optimizer, params: Sequence[Tensor]) -> list[Optional[float]]:
     """Each parameter's optimizer step count (``None`` before its first step)."""
     counts: list[Optional[float]] = []
@@ -176,6 +186,8 @@ class GlobalBatchScaling:
             batches.setdefault(key, []).append((p.detach(), w_before, state))
         for (group_index, t, _, _), members in batches.items():
             group = optimizer.param_groups[group_index]
+            if isinstance(optimizer, torch.optim.RAdam) and not radam_rectified(t, float(group["betas"][1])):
+                continue  # RAdam's first steps divide by no second moment: the averaged local steps are DDP's
             weights = [w for w, _, _ in members]
             moves = [b for _, b, _ in members]  # the weights before: becomes d in place
             c = self._factors([st["exp_avg"] for _, _, st in members],

@@ -43,8 +43,16 @@ from lightning_partial.strategies.model_averaging import ModelAveragingStrategy
 from lightning_partial.strategies.options import AveragingOptions
 
 
+def default_num_groups(world_size: int) -> int:
+    """``ds_sync``'s default G: groups of two (``P / 2``); for an odd ``P``, groups of its smallest divisor
+    above one (``P = 9``: three groups of three; a prime: one group of all), since G must divide P."""
+    size = next((d for d in range(2, world_size + 1) if world_size % d == 0), 1)
+    return world_size // size
+
+
 class DSSyncStrategy(ModelAveragingStrategy):
-    """DS-Sync. ``num_groups`` G (default P/2: groups of two); G must divide P (checked at set-up).
+    """DS-Sync. ``num_groups`` G (default: groups of two, or of the smallest size that divides an odd P:
+    :func:`default_num_groups`); G must divide P (checked at set-up).
 
     The remaining options are :class:`ModelAveragingStrategy`'s; ``global_every``
     defaults to ``None`` (only the final global average), ``max_staleness`` to 1.
@@ -67,5 +75,5 @@ class DSSyncStrategy(ModelAveragingStrategy):
 
     @override
     def default_schedule(self, world_size: int) -> Schedule:
-        groups = self.num_groups if self.num_groups is not None else max(world_size // 2, 1)
+        groups = self.num_groups if self.num_groups is not None else default_num_groups(world_size)
         return ShuffleSchedule(world_size=world_size, num_groups=groups, seed=self.seed)

@@ -74,6 +74,9 @@ class WAGMAStrategy(ModelAveragingStrategy):
     ) -> None:
         if group_size is not None and (not is_int_at_least(group_size, 1) or group_size & (group_size - 1)):
             raise ValueError(f"group_size must be a power of two >= 1, got {group_size!r}")
+        if group_size is not None and kwargs.get("schedule") is not None:
+            raise ValueError("wagma_sgd: group_size and schedule both given: a schedule fixes its own groups "
+                             "(ButterflySchedule(world_size=P, group_size=S)); pass one of them")
         self.group_size = group_size
         super().__init__(global_every=global_every, max_staleness=max_staleness, **kwargs)
 
