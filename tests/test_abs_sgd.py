@@ -48,6 +48,7 @@ def test_registry_names():
         ({"final_sync": 1.0}, "abs_sgd: final_sync must be a fraction"),
         ({"final_sync": -0.1}, "abs_sgd: final_sync must be a fraction"),
         ({"delay": 2}, r"abs_sgd: delay must be 0, 1 or 'auto', got 2"),
+        ({"find_unused_parameters": 1}, r"abs_sgd: find_unused_parameters must be a bool, got 1"),
         ({"delay": True}, r"abs_sgd: delay must be 0, 1 or 'auto', got True"),
         ({"delay": "sometimes"}, r"abs_sgd: delay must be 0, 1 or 'auto'"),
         ({"delay": 1.0}, r"abs_sgd: delay must be 0, 1 or 'auto', got 1.0"),

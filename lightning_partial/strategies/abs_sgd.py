@@ -364,9 +364,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             raise ValueError(f"{self.strategy_name}: seed must be an integer, got {seed!r}")
         self.shuffle = shuffle
         self.seed = seed
-        if not isinstance(find_unused_parameters, bool):
-            raise ValueError(f"{self.strategy_name}: find_unused_parameters must be a bool, got {find_unused_parameters!r}")
-        self.find_unused_parameters = find_unused_parameters
+        self._set_find_unused_parameters(find_unused_parameters)
         self._accumulator.presence = find_unused_parameters  # its rounds carry the presence numbers too
         self.staleness_rule = compensation.check_rule(staleness_rule, owner=self.strategy_name)
         self._set_weight_prediction(weight_prediction)
@@ -595,10 +593,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             name=f"abs_sgd-{index}",
             **({"sync_from": 0} if self._delay == 0 else self._finish_thresholds(max_epochs, max_rounds)),
         )
-        like = [p.detach() for p in params]
-        if self.find_unused_parameters:
-            like.append(self._presence(params, [True] * len(params)))
-        return DelayedAllreduce(config, store=store, rank=self.global_rank, world_size=self.world_size, like=like)
+        return DelayedAllreduce(config, store=store, rank=self.global_rank, world_size=self.world_size,
+                                like=self._with_presence([p.detach() for p in params], params))
 
     def _resolve_delay(self, trainer: "pl.Trainer") -> int:
         """``delay`` for this fit: ``"auto"`` is 0 when every optimizer is Adam-like or an ``AdaptiveBatchSize``
@@ -667,10 +663,6 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             if key in per_rank[0]:
                 base[key] = per_rank[0][key]
         return base
-
-    @override
-    def _layout_options(self) -> dict[str, bool]:
-        return {"find_unused_parameters": self.find_unused_parameters}
 
     @override
     def _fit_states(self) -> list[FitState]:
@@ -809,9 +801,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             with prediction.predicted(index, params, saved):
                 output = closure()
             prediction.release(index, saved)  # not held while the results are applied
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        if self.find_unused_parameters:
-            grads.append(self._presence(params, [p.grad is not None for p in params]))
+        grads = self._with_presence([p.grad if p.grad is not None else torch.zeros_like(p) for p in params], params,
+                                    [p.grad is not None for p in params])
         samples = max(self._batch_samples, 1)
         # In synchronous rounds every rank arrives with the last of its ``micro_batches_per_round`` (counted
         # from its first synchronous deposit: the ranks' batches stay in lock-step; the engine ignores
@@ -868,21 +859,12 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             # steps of the synchronous finish (the same rounds on every rank).
             staleness = 1 if not engine.is_fresh(first_round) and any(optimizer.state.get(p) for p in params) else 0
             weight = compensation.gradient_weight(optimizer, weights, staleness)
-            gradient = accumulator.take(index)
-            used = [True] * len(params)
-            if self.find_unused_parameters:
-                *gradient, presence = gradient
-                used = presence.gt(0).tolist()  # the same sums on every rank: the same parameters stepped
-            for p, g, u in zip(params, gradient, used):
-                if not u:
-                    p.grad = None  # no micro-batch of this step used it, on any rank: untouched, as under DDP
-                    continue
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
-                if weight != 1.0:
-                    p.grad.mul_(weight)
+            # A parameter no micro-batch of this step used, on any rank (find_unused_parameters), keeps no grad.
+            self._set_gradients(params, accumulator.take(index))
+            if weight != 1.0:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(weight)
             _compat.before_optimizer_step(self.precision_plugin, module, optimizer)
             prediction = self._prediction_in_force()
             before = prediction.begin(index, params) if prediction is not None else None

@@ -203,9 +203,7 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             name="eager_sgd",
         )
         self.staleness_rule = compensation.check_rule(staleness_rule, owner=self.strategy_name)
-        if not isinstance(find_unused_parameters, bool):
-            raise ValueError(f"find_unused_parameters must be a bool, got {find_unused_parameters!r}")
-        self.find_unused_parameters = find_unused_parameters
+        self._set_find_unused_parameters(find_unused_parameters)
         if not isinstance(overlap, bool):
             raise ValueError(f"eager_sgd: overlap must be a bool, got {overlap!r}")
         if overlap and mode == "sync":
@@ -298,7 +296,7 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             store=store,
             rank=self.global_rank,
             world_size=self.world_size,
-            like=[*params, self._presence(params, [True] * len(params))] if self.find_unused_parameters else params,
+            like=self._with_presence(params, params),
         )
 
     # ------------------------------------------------------------- training
@@ -397,10 +395,10 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
             self._apply_round(index, engine.skip(), known_used=False)
             return
         present = [p.grad is not None for p in params]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        extra = [self._presence(params, present)] if self.find_unused_parameters else []
+        grads = self._with_presence([p.grad if p.grad is not None else torch.zeros_like(p) for p in params], params,
+                                    present)
         if self._in_flight is None:
-            result = engine.arrive([*grads, *extra])
+            result = engine.arrive(grads)
             # This rank's fresh gradient with every parameter's in the round: every parameter is
             # used, on every rank alike (the header says so to all), without reading the sums.
             self._apply_round(index, result, known_used=all(present) and self.global_rank in result.stats.fresh)
@@ -414,7 +412,7 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         else:
             # Submitted before the earlier round is collected: this round's collectives may start
             # (another rank's arrival may activate it) while this rank waits for, and applies, that one.
-            round_index = engine.submit([*grads, *extra])
+            round_index = engine.submit(grads)
             landed = self._in_flight.take(index, self.global_rank)
             self._in_flight.submitted(index, engine, round_index, all_present=all(present))
         # The step's own gradient is in the engine's send buffer (a copy): p.grad takes the landed round's.
@@ -434,26 +432,6 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         self._set_gradients(self._params[index], result.tensors, known_used=known_used)
         result.release()
         self._record(index, result.stats)
-
-    def _set_gradients(self, params: list[torch.nn.Parameter], values: list[torch.Tensor], *,
-                       known_used: bool) -> None:
-        """A round's gradients into ``p.grad``; with ``find_unused_parameters``, ``None`` for a parameter
-        no contribution of the round used.
-
-        ``known_used``: every parameter is known to be used (the presence sums are not read).
-        """
-        used = [True] * len(params)
-        if self.find_unused_parameters:
-            *values, presence = values
-            if not known_used:
-                used = presence.gt(0).tolist()
-        for p, g, u in zip(params, values, used):
-            if not u:
-                p.grad = None  # globally unused in this round: untouched, as under DDP
-            elif p.grad is None:
-                p.grad = g.clone()
-            else:
-                p.grad.copy_(g)
 
     @override
     def _final_round(self, index: int, engine: PartialAllreduce) -> RoundStats:
@@ -498,10 +476,6 @@ class EagerSGDStrategy(ConfiguredStrategy[PartialAllreduce]):
         optimizer.step()
         self._compensate_delay(index)
         optimizer.zero_grad()
-
-    @override
-    def _layout_options(self) -> dict[str, bool]:
-        return {"find_unused_parameters": self.find_unused_parameters}
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -171,6 +171,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         self._store: Optional[dist.Store] = None
         self._heartbeat: Optional[Heartbeat] = None
         self._stopped = False  # a round carried a stop request: every rank stops at it
+        # The gradient strategies' option (_set_find_unused_parameters): a presence number per parameter rides
+        # with every gradient, so it shapes the engines' saved state (LAYOUT_KEY). Models carry none.
+        self.find_unused_parameters = False
         self._stop_round: Optional[int] = None  # that round (the first engine's to carry one)
         self._finishing = False  # a round carried a finish request: every rank ends its fit at it
         self._clock: Optional[AgreedClock] = None  # built per fit at train start
@@ -231,6 +234,12 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         knows that no gradient is late (then its steps are those without prediction). Read once the
         world size is known (set-up, checkpoint loading, training)."""
         return self._prediction
+
+    def _set_find_unused_parameters(self, enabled: object) -> None:
+        """A gradient strategy's ``find_unused_parameters`` option, validated at construction."""
+        if not isinstance(enabled, bool):
+            raise ValueError(f"{self.strategy_name}: find_unused_parameters must be a bool, got {enabled!r}")
+        self.find_unused_parameters = enabled
 
     def _set_weight_prediction(self, enabled: object) -> None:
         """A subclass's ``weight_prediction`` option, validated at construction."""
@@ -497,12 +506,37 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         if self._clock is not None:
             self._clock.at_batch_start(self._trainer)
 
-    @staticmethod
-    def _presence(params: list[torch.nn.Parameter], present: list[bool]) -> torch.Tensor:
-        """``find_unused_parameters`` (the gradient strategies): 1 per parameter with a gradient, in the first
-        parameter's dtype and device, sent beside the gradients; summed, it says which parameters some
-        contribution used (the others keep ``grad = None``, as under DDP)."""
-        return torch.tensor(present, dtype=params[0].dtype).to(params[0].device, non_blocking=True)
+    def _with_presence(self, tensors: list[torch.Tensor], params: list[torch.nn.Parameter],
+                       present: Optional[list[bool]] = None) -> list[torch.Tensor]:
+        """``tensors``, and with ``find_unused_parameters`` (the gradient strategies) one number per parameter
+        after them: 1 where it has a gradient (``present``; all by default, as an engine's layout), in the first
+        parameter's dtype and device. Summed with the gradients, they say which parameters some contribution
+        used (:meth:`_set_gradients`)."""
+        if not self.find_unused_parameters:
+            return tensors
+        flags = [True] * len(params) if present is None else present
+        return [*tensors, torch.tensor(flags, dtype=params[0].dtype).to(params[0].device, non_blocking=True)]
+
+    def _set_gradients(self, params: list[torch.nn.Parameter], values: list[torch.Tensor], *,
+                       known_used: bool = False) -> None:
+        """Gradients (a round's, or a step's sum) into ``p.grad``; with ``find_unused_parameters`` ``values``
+        end with the presence sums (:meth:`_with_presence`), and a parameter no contribution used keeps
+        ``grad = None`` (no momentum, no weight decay), as under DDP.
+
+        ``known_used``: every parameter is known to be used (the presence sums are not read).
+        """
+        used = [True] * len(params)
+        if self.find_unused_parameters:
+            *values, presence = values
+            if not known_used:
+                used = presence.gt(0).tolist()  # the same sums on every rank: the same parameters stepped
+        for p, g, u in zip(params, values, used):
+            if not u:
+                p.grad = None  # globally unused: untouched, as under DDP
+            elif p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.copy_(g)
 
     def _stop_now(self) -> bool:
         """Every rank, main thread, at each batch start (in place of Lightning's SIGTERM broadcast): whether a
@@ -706,9 +740,8 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             # Identical on every rank (rank 0 writes it), so that a resumed fit goes on as the
             # uninterrupted one would have (prediction's last update, abs_sgd's accumulated rounds).
             state.save(checkpoint)
-        layout = {name: value for name, value in self._layout_options().items() if value}
-        if layout:
-            checkpoint[LAYOUT_KEY] = layout
+        if self.find_unused_parameters:
+            checkpoint[LAYOUT_KEY] = {"find_unused_parameters": True}
         states = {i: e.state_dict() for i, e in self._engines.items()} or dict(self._final_states)
         if states and _compat._distributed_is_initialized():
             entry = gather_engine_states(
@@ -741,23 +774,20 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             for state in self._fit_states():
                 state.forget_loaded()
             return checkpoint
-        if checkpoint.get(CHECKPOINT_KEY) is not None:
-            saved = checkpoint.get(LAYOUT_KEY) or {}
-            for name, value in self._layout_options().items():
-                if bool(saved.get(name, False)) != value:
-                    raise CheckpointMismatchError(
-                        f"the checkpoint was saved with {name}={not value}, and its engine state (pending "
-                        f"gradients, results not yet applied) has that layout: resume with {name}={not value}, or "
-                        "drop the engine state with lightning_partial.strategies.checkpoint.drop_engine_state(src, "
-                        "dst)",
-                        source=checkpoint_path,
-                    )
         for state in self._fit_states():
             state.load(checkpoint)
         self._resume_state = resume_entry(
             checkpoint.get(CHECKPOINT_KEY), strategy=self.strategy_name, family=self.engine_family,
             source=checkpoint_path,
         )
+        saved = bool((checkpoint.get(LAYOUT_KEY) or {}).get("find_unused_parameters", False))
+        if self._resume_state is not None and saved != self.find_unused_parameters:
+            raise CheckpointMismatchError(
+                f"the checkpoint was saved with find_unused_parameters={saved}, and its engine state (pending "
+                f"gradients, results not yet applied) has that layout: resume with find_unused_parameters={saved}, "
+                "or drop the engine state with lightning_partial.strategies.checkpoint.drop_engine_state(src, dst)",
+                source=checkpoint_path,
+            )
         return checkpoint
 
     @override
@@ -781,11 +811,6 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
 
     def _release_fit(self) -> None:
         """Every rank, at teardown, after the end of fit: what a subclass's fit holds beyond the engines."""
-
-    def _layout_options(self) -> dict[str, bool]:
-        """Options that change what a round carries, hence the engines' saved state: a checkpoint records the
-        ones set (``LAYOUT_KEY``), and a fit resumed with another value is refused (:meth:`load_checkpoint`)."""
-        return {}
 
     def _end_a_fit_without_batches(self) -> None:
         """Every rank, main thread, at teardown: a fit resumed from a checkpoint whose training was done already
