@@ -47,8 +47,10 @@ class OfflineWandbLogger(WandbLogger):
             created if missing (W&B would otherwise fall back to a temporary directory).
         name: the run's display name (the recipes name an unnamed run ``<recipe>-<strategy>``).
         offline: ``True``: offline; ``False``: online (``WANDB_MODE`` may still say
-            ``disabled``); ``None`` (default): offline unless the environment
-            variable ``WANDB_MODE`` asks for another mode (e.g. ``online``).
+            ``disabled``), whatever mode an earlier logger of the process left in
+            ``WANDB_MODE``; ``None`` (default): offline unless the environment
+            variable ``WANDB_MODE`` asks for another mode (e.g. ``online``). The mode
+            goes to ``wandb.init(mode=...)``; a ``mode`` in ``kwargs`` wins.
         kwargs: passed on to ``WandbLogger`` (and from there to ``wandb.init``).
 
     Environment: sets ``WANDB_MODE=offline`` when offline and ``WANDB_SILENT=true``,
@@ -77,6 +79,12 @@ class OfflineWandbLogger(WandbLogger):
             offline = os.environ.get("WANDB_MODE", "offline") in _OFFLINE_MODES
         if offline:
             os.environ.setdefault("WANDB_MODE", "offline")
+        # The run's mode, given to wandb.init (which prefers it to the environment): the WANDB_MODE an earlier
+        # offline logger of this process left behind (this class, or Lightning's own) must not turn
+        # offline=False into an offline run.
+        if "mode" not in kwargs:
+            disabled = os.environ.get("WANDB_MODE") == "disabled"
+            kwargs["mode"] = "offline" if offline else "disabled" if disabled else "online"
         os.environ.setdefault("WANDB_SILENT", "true")
         path = Path(save_dir)
         path.mkdir(parents=True, exist_ok=True)

@@ -147,8 +147,22 @@ def _union_error(message: str) -> Optional[RecipeConfigError]:
     naming the init argument: the class's own message, without the dump of every argument."""
     if "Union subtypes" not in message:
         return None
-    reasons = [line.strip()[2:] for line in message.splitlines()
-               if line.strip().startswith("- ") and not line.strip().startswith("- Expected a ")]
+    # Each "- " item of the Errors list, with the more indented lines that continue it (the class's own
+    # message follows "Problem with given class_path ...:" on the next line); the lists end at "Given value".
+    reasons: list[str] = []
+    item: Optional[list[str]] = None
+    for line in message.splitlines():
+        text = line.strip()
+        if text.startswith("- "):
+            item = None if text.startswith("- Expected a ") else [text[2:]]
+            if item is not None:
+                reasons.append("")
+        elif item is not None and line.startswith("    ") and text:
+            item.append(text)
+        else:
+            item = None
+        if item is not None:
+            reasons[-1] = " ".join(item)
     found = re.search(r"class_path='([\w.]+)'", message)
     if not reasons or not found:
         return None
@@ -357,8 +371,10 @@ class RecipeCLI(LightningCLI):
             return
         for logger in self.trainer.loggers:
             if isinstance(logger, WandbLogger) and getattr(logger, "_experiment", None) is not None:
-                logger.experiment.finish()
-                log.info("W&B run %r finished (under %s)", logger.name, logger.save_dir)
+                run = logger.experiment
+                name = run.name  # the run's (logger.name is the project's)
+                run.finish()
+                log.info("W&B run %r finished (under %s)", name, logger.save_dir)
 
 
 def main(model_class: type, datamodule_class: type, *, recipe: str, links: Sequence[tuple[str, str]] = (),

@@ -24,7 +24,9 @@ Throughput is measured per rank from its first batch to the end of the fit
 (after the strategies' final synchronisation; Lightning's start-up excluded)
 by ``recipes.summary.FitSummary``; samples/s is the sum over the ranks.
 
-Options: ``--strategies ddp,eager_sgd``, ``--recipe``, ``--config``,
+Options: ``--strategies ddp,eager_sgd``, ``--recipe`` (with its main-job
+``--config`` by default: ``cifar_resnet``, ``translation_transformer``; another
+recipe needs ``--config``), ``--config``,
 ``--devices``, ``--delay-ms``, ``--out``, ``--logger csv``, ``--timeout``;
 anything after ``--`` goes to every fit's command line (e.g.
 ``-- --trainer.max_epochs 2``).
@@ -210,6 +212,10 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+#: Each recipe's main-job configuration, the default of ``--config`` (another recipe needs ``--config``).
+MAIN_JOB_CONFIGS = {"cifar_resnet": "main_job.yaml", "translation_transformer": "main_job_transformer.yaml"}
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -217,8 +223,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         extra, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--recipe", default="cifar_resnet", help="the recipe (recipes/<recipe>.py)")
-    parser.add_argument("--config", type=Path, default=ROOT / "conf" / "main_job.yaml",
-                        help="the fits' configuration (model and data sizes, epochs, imbalance, logger)")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="the fits' configuration (model and data sizes, epochs, imbalance, logger); default: "
+                             "the recipe's main-job config ("
+                             + ", ".join(f"{r}: conf/{c}" for r, c in MAIN_JOB_CONFIGS.items()) + ")")
     parser.add_argument("--strategies", default=",".join(ALL_STRATEGIES), help="comma-separated, ddp first")
     parser.add_argument("--devices", type=int, default=4, help="CPU processes per fit")
     parser.add_argument("--delay-ms", type=float, default=None, help="straggler delay (default: the config's)")
@@ -228,6 +236,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.extra = extra
     args.out = args.out.resolve()
+    if args.config is None:
+        if args.recipe not in MAIN_JOB_CONFIGS:
+            parser.error(f"--recipe {args.recipe} has no main-job configuration: pass --config (a complete one, "
+                         f"e.g. conf/{args.recipe}.yaml with its sizes cut down); the main-job configurations: "
+                         + ", ".join(f"{r}: conf/{c}" for r, c in MAIN_JOB_CONFIGS.items()))
+        args.config = ROOT / "conf" / MAIN_JOB_CONFIGS[args.recipe]
     args.config = args.config.resolve()
     if not args.config.is_file():
         parser.error(f"--config: {args.config} does not exist")
@@ -272,13 +286,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                "delay_ms": args.delay_ms, "total_s": total, "results": results,
                "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}
     (args.out / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
-    if any(e.get("summary") for e in results.values()):
+    plotted = any(e.get("summary") for e in results.values())
+    if plotted:
         plot(results, args.out / "main_job.png", title)
     print()
     print(table(results, chance))
     print()
     print(f"main job: {len(results)} fits in {total:.0f} s; results {args.out / 'results.json'}, "
-          f"plot {args.out / 'main_job.png'}")
+          + (f"plot {args.out / 'main_job.png'}" if plotted else "no plot (no fit succeeded)"))
     if args.logger == "wandb":
         new_runs = sorted(offline_runs(args.out) - before)
         print(f"W&B offline runs ({len(new_runs)}): " + (", ".join(str(p) for p in new_runs) or "none"))

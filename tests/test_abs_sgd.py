@@ -39,6 +39,8 @@ def test_registry_names():
         ({"target_samples": 0}, "target_samples must be an integer >= 1"),
         ({"trigger": "time"}, "needs interval > 0"),
         ({"interval": 2.0}, "only meaningful with trigger='time'"),
+        ({"trigger": "time", "interval": 0.2, "target_samples": 4}, "target_samples is only meaningful with "
+                                                                     "trigger='samples'"),
         ({"reference_samples": -512}, "reference_samples must be an integer >= 1"),
         ({"reference_samples": 51.2}, "reference_samples must be an integer >= 1"),
         ({"reference_samples": "global"}, "reference_samples must be an integer >= 1, 'global_batch' or None"),
@@ -79,6 +81,25 @@ def run_fit(out: Path, *extra: str, launch: str = "fork") -> list[dict]:
     proc = forkrun.run(fit_command(out, "--strategy", "abs_sgd", *extra, launch=launch), env=FIT_ENV, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / f"callbacks{r}.json").read_text()) for r in range(4)]
+
+
+@pytest.mark.timeout(300)
+def test_rounds_larger_than_a_global_batch_take_a_bounded_step(tmp_path):
+    """trigger="time" with an interval of many micro-batches: a round holds several global batches, all computed
+    at the same weights. Linear scaling would step sum / B (8-13 times the mean here, SGD momentum 0.9; the weights
+    reached 1e6 in 10 rounds); such a round counts as B samples, a step on its mean, with one warning naming the
+    options, and the replicas end identical and bounded."""
+    out = tmp_path / "run"
+    options = json.dumps({"delay": 1, "trigger": "time", "interval": 0.2})
+    proc = forkrun.run(fit_command(out, "--strategy", "abs_sgd", "--steps", "10", "--momentum", "0.9",
+                                   "--strategy-kw", options, launch="fork"), env=FIT_ENV, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    output = proc.stdout + proc.stderr
+    assert output.count("abs_sgd: a round held") == 1, output[-4000:]
+    assert "with trigger='time', target_samples=None, interval=0.2: it counts as 64 samples" in output
+    assert_identical(out)
+    weights = torch.load(out / "rank0.pt")
+    assert max(float(v.abs().max()) for v in weights.values()) < 5, weights
 
 
 @pytest.mark.timeout(300)

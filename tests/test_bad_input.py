@@ -401,3 +401,32 @@ def test_the_shared_integer_check_names_the_option(kw, match):
         check_int(**kw)
     check_int("n", None, optional=True)  # accepted
     check_int("n", 0, minimum=0)
+
+
+class _Retrain(L.Callback):
+    """At step ``at``, ``net.weight`` becomes trainable (``True``) or frozen (``False``): what BaseFinetuning's
+    unfreeze, or a user's freeze, does mid-fit."""
+
+    def __init__(self, at: int, trainable: bool) -> None:
+        self.at, self.trainable = at, trainable
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
+        if trainer.global_step == self.at:
+            pl_module.net.weight.requires_grad_(self.trainable)
+
+
+@pytest.mark.parametrize("make", [EagerSGDStrategy, WAGMAStrategy, DSSyncStrategy, ABSSGDStrategy],
+                         ids=["eager_sgd", "wagma_sgd", "ds_sync", "abs_sgd"])
+@pytest.mark.parametrize("trainable", [True, False], ids=["unfrozen", "frozen"])
+def test_a_trainable_set_changed_mid_fit_is_refused_naming_the_parameters(tmp_path, make, trainable) -> None:
+    """The engines take the parameters trainable at train start, for the whole fit: one made trainable later
+    would train on each rank alone (replicas drifting apart silently), one frozen later would still be moved by
+    the others' contributions. The step that first sees the change raises, naming the parameters."""
+    module = _Tiny()
+    if trainable:
+        module.net.weight.requires_grad_(False)  # in the optimizer, frozen: not in the engine
+    change = "became trainable" if trainable else "stopped being trainable"
+    with pytest.raises(RuntimeError, match=rf"the trainable parameters of optimizer 0 changed after the fit started "
+                                           rf"\(step 2\): 1 {change} \('net\.weight'\)\. .* param group whose "
+                                           "learning rate is 0"):
+        tiny_fit(tmp_path, make(), seen=[], module=module, steps=4, callbacks=(_Retrain(2, trainable),))

@@ -451,7 +451,17 @@ def test_wandb_logger_is_offline_unless_the_environment_says_otherwise(
     assert os.environ["WANDB_MODE"] == "online" and os.environ["WANDB_SILENT"] == "false"  # the user's choice stays
 
     logger = wandb_logger(save_dir=tmp_path / "c", offline=True)  # an explicit argument wins over the environment
-    assert logger._offline
+    assert logger._offline and logger._wandb_init["mode"] == "offline"
+
+    # The WANDB_MODE an earlier offline logger of the process left behind does not make offline=False offline:
+    # the mode goes to wandb.init, which prefers it to the environment.
+    monkeypatch.delenv("WANDB_MODE")
+    assert wandb_logger(save_dir=tmp_path / "d")._wandb_init["mode"] == "offline"
+    assert os.environ["WANDB_MODE"] == "offline"
+    logger = wandb_logger(save_dir=tmp_path / "e", offline=False)
+    assert not logger._offline and logger._wandb_init["mode"] == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert wandb_logger(save_dir=tmp_path / "f", offline=False)._wandb_init["mode"] == "disabled"
 
 
 # ------------------------------------------------------- a real 4-process fit

@@ -324,6 +324,8 @@ def test_busy_seconds_leave_out_the_time_paused():
         ({"target_samples": None}, "target_samples must be an integer >= 1"),
         ({"trigger": "time", "interval": 0}, "needs interval > 0"),
         ({"target_samples": 4, "interval": 1.0}, "only meaningful with trigger='time'"),
+        ({"trigger": "time", "interval": 1.0, "target_samples": 4}, "target_samples is only meaningful with "
+                                                                     "trigger='samples'"),
         ({"target_samples": 4, "max_epochs": 2}, "max_epochs needs epoch_samples"),
         ({"target_samples": 4, "max_rounds": -1}, "max_rounds must be"),
         ({"target_samples": 4, "reference_samples": 0}, "reference_samples must be an integer >= 1"),

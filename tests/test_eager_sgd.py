@@ -231,6 +231,20 @@ def test_sys_exit_in_a_forked_rank_ends_the_fit_with_a_clear_error(tmp_path):
     assert "rank 2 (local process 2) raised SystemExit(0) inside the fit" in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.timeout(300)
+def test_backbone_unfrozen_mid_fit_ends_the_fit_naming_the_parameters(tmp_path):
+    """A ``BaseFinetuning`` callback unfreezes the first layer at the second epoch (a param group added to the
+    optimizer): those parameters are in no engine and would train on each rank alone (what plain DDP does,
+    Lightning issue 20340). The fit ends at that step with an error naming them, instead of ending with
+    replicas that silently differ."""
+    out = tmp_path / "run"
+    command = fit_command(out, "--devices", "2", "--max-epochs", "2", "--unfreeze-at", "1", launch="fork")
+    proc = forkrun.run(command, env=FIT_ENV, timeout=240)
+    assert proc.returncode != 0
+    assert ("RuntimeError: eager_sgd: the trainable parameters of optimizer 0 changed after the fit started "
+            "(step 64): 2 became trainable ('net.0.weight', 'net.0.bias')") in proc.stderr, proc.stderr[-3000:]
+
+
 def fit_identical(out: Path, *options: str, launch: str = "fork") -> list[dict]:
     """A 4-process fit of tests/scripts/fit.py; asserts it succeeded with bit-identical replicas; the rank records."""
     import json

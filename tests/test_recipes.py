@@ -627,6 +627,25 @@ def test_unknown_strategy_message_lists_the_choices(capsys: pytest.CaptureFixtur
         assert name in err
 
 
+def test_a_class_paths_own_message_is_kept_whole() -> None:
+    """jsonargparse puts a class's own error on the lines after "Problem with given class_path ...:" (wandb
+    missing): the one-line error keeps it, install command included."""
+    from recipes.common import _union_error
+
+    message = (
+        "Does not validate against any of the Union subtypes\nSubtypes: [Logger, bool]\nErrors:\n"
+        "  - Problem with given class_path 'lightning_partial.loggers.OfflineWandbLogger':\n"
+        "      wandb is not installed: pip install -e \".[recipes]\" (or pip install wandb)\n"
+        "  - Expected a <class 'bool'>\nGiven value type: <class 'Namespace'>\nGiven value: "
+        "Namespace(class_path='lightning_partial.loggers.OfflineWandbLogger', init_args=Namespace(offline=None))"
+    )
+    error = _union_error(message)
+    assert error is not None
+    assert str(error).endswith("OfflineWandbLogger: Problem with given class_path "
+                               "'lightning_partial.loggers.OfflineWandbLogger': wandb is not installed: "
+                               "pip install -e \".[recipes]\" (or pip install wandb)"), str(error)
+
+
 @pytest.mark.parametrize("make", [
     lambda d: __import__("recipes.data", fromlist=["x"]).CIFARDataModule(data_dir=d),
     lambda d: __import__("recipes.data", fromlist=["x"]).ImageFolderDataModule(data_dir=d),
@@ -739,6 +758,30 @@ def test_main_job_gives_every_strategy_the_same_options(tmp_path: Path) -> None:
         assert [part.replace(strategy, "<s>") for part in command] == reference, strategy
         assert not any(part.startswith("--model.") for part in command[:-2]), command  # the config's optimizer
         assert command[-2:] == ["--model.lr", "0.01"]  # the user's options last: they win
+
+
+def test_main_job_takes_each_recipes_own_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--recipe without --config: the recipe's main-job configuration, or an error that says to pass one (the
+    CIFAR configuration would fail every fit of another recipe on its first option)."""
+    from recipes.main_job import parse_args
+
+    assert parse_args(["--out", str(tmp_path)]).config == ROOT / "conf" / "main_job.yaml"
+    args = parse_args(["--out", str(tmp_path), "--recipe", "translation_transformer"])
+    assert args.config == ROOT / "conf" / "main_job_transformer.yaml"
+    with pytest.raises(SystemExit):
+        parse_args(["--out", str(tmp_path), "--recipe", "ucf101_lstm"])
+    assert "--recipe ucf101_lstm has no main-job configuration: pass --config" in capsys.readouterr().err
+    own = parse_args(["--out", str(tmp_path), "--recipe", "ucf101_lstm", "--config", str(ROOT / "conf" / "ucf101_lstm.yaml")])
+    assert own.config == ROOT / "conf" / "ucf101_lstm.yaml"
+
+
+def test_a_label_csv_saved_by_a_spreadsheet_is_read(tmp_path: Path) -> None:
+    """A byte-order mark before the header, spaces after the commas: the same rows."""
+    from recipes.data.video import read_label_csv
+
+    path = tmp_path / "train.csv"
+    path.write_text("\ufeffvideo, label\nfeatures/a.npy, 3\n", encoding="utf-8")
+    assert read_label_csv(path) == [("features/a.npy", 3)]
 
 
 @pytest.mark.timeout(120)

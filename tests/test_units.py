@@ -207,6 +207,30 @@ def test_round_accumulator_ends_a_step_at_the_round_nearest_to_step_samples():
         RoundAccumulator(step_samples=8, reference_samples=8, boundary="round")
 
 
+def test_round_accumulator_counts_a_round_larger_than_the_reference_as_one_reference_batch():
+    """With reference_samples B a round of r <= B samples adds its sum over B (the linear scaling rule: 12 samples
+    as 5 + 7 step at 1.5 times their mean); a round of more, all its micro-batches computed at the same weights,
+    adds its mean and counts B samples (48 samples of B = 8: its mean, not 6 times it; counted in capped())."""
+    accumulator = RoundAccumulator(step_samples=8, reference_samples=8)
+    result = [torch.tensor([3.0, -1.5])]  # a round's sum over 8
+    assert not accumulator.add(0, result, divisor=8.0, samples=5)
+    assert accumulator.add(0, result, divisor=8.0, samples=7) and accumulator.samples(0) == 12
+    assert torch.equal(accumulator.take(0)[0], 2 * result[0]) and accumulator.capped(0) == 0
+    big = [torch.tensor([12.0, -6.0])]  # a round of 48 samples, its sum over 8: six times its mean [2, -1]
+    assert accumulator.add(0, big, divisor=8.0, samples=48) and accumulator.samples(0) == 8
+    assert torch.equal(accumulator.take(0)[0], torch.tensor([2.0, -1.0])) and accumulator.capped(0) == 1
+    # A step of a short round and a large one: 4 samples at 4 / 8 of their mean ([3, -1.5] over 8 here) and 8 (the
+    # large round's mean): 12 counted samples.
+    assert not accumulator.add(0, result, divisor=8.0, samples=4)
+    assert accumulator.add(0, big, divisor=8.0, samples=48) and accumulator.samples(0) == 12
+    assert torch.equal(accumulator.take(0)[0], result[0] + torch.tensor([2.0, -1.0])) and accumulator.capped(0) == 2
+    per_round = RoundAccumulator(step_samples=None, reference_samples=8)  # a step per round: alike
+    assert per_round.add(0, big, divisor=8.0, samples=48) and torch.equal(per_round.take(0)[0], torch.tensor([2.0, -1.0]))
+    mean_rule = RoundAccumulator(step_samples=8, reference_samples=None)  # the paper's mean: sample-weighted, as is
+    assert mean_rule.add(0, [torch.tensor([2.0, -1.0])], divisor=48.0, samples=48) and mean_rule.capped(0) == 0
+    assert torch.equal(mean_rule.take(0)[0], torch.tensor([2.0, -1.0]))
+
+
 def test_round_accumulator_without_a_reference_takes_the_sample_weighted_mean():
     """reference_samples=None: each result is its round's mean over its samples (the divisor); the step is
     the mean over the step's samples: (2 * m1 + 6 * m2) / 8."""

@@ -159,7 +159,9 @@ class DelayedConfig(EngineBounds):
         else:
             if not is_finite_number(self.interval) or not self.interval > 0:
                 raise ValueError(f"trigger='time' needs interval > 0 (seconds, finite), got {self.interval!r}")
-            check_int("target_samples", self.target_samples, optional=True)
+            if self.target_samples is not None:
+                raise ValueError("target_samples is only meaningful with trigger='samples' (trigger='time' starts a "
+                                 f"round every interval seconds), got target_samples={self.target_samples!r}")
         check_int("reference_samples", self.reference_samples, optional=True)
         check_int("epoch_samples", self.epoch_samples, optional=True)
         check_int("max_epochs", self.max_epochs, optional=True)

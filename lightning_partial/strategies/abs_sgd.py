@@ -232,7 +232,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             round's samples over ``B`` (the update is ``lr * sum_i G_i / B``),
             the linear scaling rule per round: a round of fewer samples than a
             synchronous step takes a proportionally smaller step, so the learning
-            rate tuned for DDP stays right. ``None``: each round's update is the
+            rate tuned for DDP stays right; a round of more than ``B`` samples (a
+            long ``interval``) counts as ``B``, its mean gradient, with a warning,
+            since all its micro-batches were computed at the same weights. ``None``: each round's update is the
             sample-weighted mean gradient whatever the round's samples (the
             paper's rule: a round of 38 samples then takes a full step, which at
             DDP's learning rate cost 25-57 points in the main job, see
@@ -354,6 +356,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self.step_boundary = check_boundary(step_boundary, owner=self.strategy_name)
         # Holds tensors only during a fit (and a checkpoint's until train start): pickle-safe before it.
         self._accumulator = RoundAccumulator(step_samples=None, reference_samples=None, boundary=step_boundary)
+        self._warned_capped = False  # an asynchronous round larger than reference_samples (warned once per fit)
         # Validated now; at set-up the target defaults to the micro-batch size and the reference to
         # the global batch (neither known yet: 1 stands in).
         self._delayed_config(target_samples=1 if target_samples is None and trigger == "samples" else target_samples,
@@ -842,8 +845,11 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         engine = self._engines[index]
         steps = 0
         for k, result in enumerate(results):
+            capped = accumulator.capped(index)
             due = accumulator.add(index, result.tensors, divisor=result.stats.divisor,
                                   samples=int(result.stats.contributions))
+            if accumulator.capped(index) > capped and not result.stats.synchronous:
+                self._warn_large_round(int(result.stats.contributions), accumulator.reference_samples)
             # The step's first round (the rounds come in order, each once): in the synchronous finish,
             # from its second round on, every micro-batch was computed after every earlier result was applied.
             first_round = result.stats.round_index - accumulator.pending(index) + 1
@@ -885,6 +891,23 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                 _compat.step_round_schedulers(self._trainer, optimizer, accumulator.steps(index) - 1)
                 self._queue_step_saves(self._trainer.global_step, result.stats.round_index)  # the step it reached
         return steps
+
+    def _warn_large_round(self, samples: int, reference: Optional[int]) -> None:
+        """Once per fit, rank 0: an asynchronous round held more than ``reference_samples`` (what the trigger
+        made; the synchronous round at the switch to the finish holds what each rank had pending, and is not
+        warned about)."""
+        if self._warned_capped:
+            return
+        self._warned_capped = True
+        if self.global_rank == 0:
+            log.warning(
+                "abs_sgd: a round held %d samples, more than reference_samples (%s), with trigger=%r, "
+                "target_samples=%r, interval=%r: it counts as %s samples, a step on its mean gradient, not %.3g "
+                "times it (its micro-batches were computed at the same weights; a longer step along one gradient "
+                "diverges). Such rounds train fewer steps per sample: make rounds hold at most a global batch (a "
+                "shorter interval, a smaller target_samples)", samples, reference, self.trigger,
+                self.target_samples, self.interval, reference, samples / float(reference or 1),
+            )
 
     # ------------------------------------------------------------- agreement
     def _quiesce(self) -> dict[int, int]:
@@ -928,6 +951,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     def on_train_start(self) -> None:
         super().on_train_start()
         self.step_lags.reset()
+        self._warned_capped = False
         self.micro_batches_per_round, self._held, self._arrive_now = 1, {}, None
         self._end_boundary = None
         trainer = self._trainer

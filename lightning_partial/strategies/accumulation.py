@@ -11,8 +11,9 @@ normalises the scale away and takes a full step per round.
 the round's gradient sum over its divisor, rescaled to the step's), until
 the rounds hold about ``step_samples`` samples; the optimizer then steps once
 on their gradient sum over the step's divisor (``reference_samples`` when
-set: the linear scaling rule over the whole step; otherwise the step's
-samples: the sample-weighted mean). Every
+set: the linear scaling rule over the whole step, a round larger than
+``reference_samples`` counting as that many samples, its mean gradient;
+otherwise the step's samples: the sample-weighted mean). Every
 rank receives the same results in the same order, so every rank adds the same
 tensors in the same order and steps at the same rounds: replicas stay
 bit-identical. Where the step ends (``boundary``): at the round that brings the
@@ -63,6 +64,7 @@ class _Accumulated:
     samples: int = 0
     rounds: int = 0
     steps: int = 0  # optimizer steps taken in this fit (LR schedulers' frequency counts them)
+    capped: int = 0  # rounds of this fit larger than reference_samples, counted as reference_samples
     spare: Optional[list[Tensor]] = field(default=None, repr=False)  # the last step's buffers, reused
 
 
@@ -97,6 +99,13 @@ class RoundAccumulator(CheckpointedState):
         """
         state = self._state.setdefault(index, _Accumulated())
         scale = divisor / self.reference_samples if self.reference_samples is not None else divisor
+        if self.reference_samples is not None and samples > self.reference_samples:
+            # A round larger than the reference batch counts as one: its mean gradient. Its micro-batches were
+            # computed at the same weights: more samples refine one gradient, they do not make a longer step
+            # along it safe (linear scaling would step samples / reference times its mean).
+            scale *= self.reference_samples / samples
+            samples = self.reference_samples
+            state.capped += 1
         if state.sum is None:
             spare, state.spare = state.spare, None
             if spare is not None and [s.shape for s in spare] == [t.shape for t in tensors]:
@@ -138,6 +147,12 @@ class RoundAccumulator(CheckpointedState):
         state.samples = state.rounds = 0
         state.steps += 1
         return gradient
+
+    def capped(self, index: int) -> int:
+        """Rounds of optimizer ``index`` in this fit that held more than ``reference_samples`` samples, each
+        counted as that many (its mean gradient)."""
+        state = self._state.get(index)
+        return state.capped if state is not None else 0
 
     def steps(self, index: int) -> int:
         """Optimizer steps of optimizer ``index`` in this fit (a resumed fit counts on from its checkpoint's)."""

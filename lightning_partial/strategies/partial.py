@@ -575,9 +575,50 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         """The subclass's :meth:`_engine_step` for an optimizer with an engine; Lightning's step otherwise
         (not fitting, or no trainable parameter)."""
         index = self._optimizer_index(optimizer)
+        if self._store is not None:
+            self._check_trainable(index)
         if index not in self._engines:
             return self._lightning_step(optimizer, closure, model, kwargs)
         return self._engine_step(index, optimizer, closure, model, kwargs)
+
+    def _check_trainable(self, index: int) -> None:
+        """Every rank, main thread, at each step of a fit: optimizer ``index``'s trainable parameters are those
+        its engine took at train start; ``RuntimeError`` naming the others otherwise (no collective).
+
+        An engine's layout is fixed when it starts. A parameter made trainable later (``BaseFinetuning``'s
+        unfreeze adds it to the optimizer) would train on each rank alone, the replicas drifting apart without
+        a sign (as under DDP, whose reducer also keeps the parameters it was built with); one frozen later
+        would still be moved by the other ranks' gradients or averages. Every rank makes the same change at
+        the same step (a callback's epoch), so every rank raises here, at the same step.
+        """
+        taken = self._params.get(index, [])
+        trainable = [p for group in self.optimizers[index].param_groups for p in group["params"] if p.requires_grad]
+        if len(trainable) == len(taken) and all(a is b for a, b in zip(trainable, taken)):
+            return
+        taken_ids, trainable_ids = {id(p) for p in taken}, {id(p) for p in trainable}
+        if taken_ids == trainable_ids:
+            return  # the same parameters, reordered: the engine keeps its own order
+        names = {id(p): name for name, p in self.lightning_module.named_parameters()} if self.lightning_module else {}
+
+        def listed(params: list[torch.nn.Parameter]) -> str:
+            shown = [repr(names.get(id(p), f"a {tuple(p.shape)} tensor")) for p in params[:3]]
+            return ", ".join(shown) + (f" and {len(params) - 3} more" if len(params) > 3 else "")
+
+        added = [p for p in trainable if id(p) not in taken_ids]
+        removed = [p for p in taken if id(p) not in trainable_ids]
+        changes = []
+        if added:
+            changes.append(f"{len(added)} became trainable ({listed(added)})")
+        if removed:
+            changes.append(f"{len(removed)} stopped being trainable ({listed(removed)})")
+        raise RuntimeError(
+            f"{self.strategy_name}: the trainable parameters of optimizer {index} changed after the fit started "
+            f"(step {self._trainer.global_step}): {'; '.join(changes)}. The strategy synchronises the parameters "
+            "that are trainable when training starts, for the whole fit (a parameter unfrozen later would train "
+            "on each rank alone). Fix the trainable set before fit: to unfreeze later (BaseFinetuning, "
+            "BackboneFinetuning), make the parameters trainable from the start in a param group whose learning "
+            "rate is 0 until then"
+        )
 
     def _lightning_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: StepModel,
                         kwargs: dict[str, Any]) -> Any:

@@ -81,9 +81,10 @@ class ActionSequences(BuiltinSamples):
 def read_label_csv(path: Path) -> list[tuple[str, int]]:
     """Rows ``(video path, label)`` of a ``video,label`` CSV; errors name the file and the row."""
     rows: list[tuple[str, int]] = []
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames is None or not {"video", "label"} <= set(reader.fieldnames):
+    # utf-8-sig: a CSV saved by a spreadsheet starts with a byte-order mark, which would join the first name.
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f, skipinitialspace=True)  # "video, label" too
+        if reader.fieldnames is None or not {"video", "label"} <= {name.strip() for name in reader.fieldnames}:
             raise RecipeConfigError("data.data_dir", f"{str(path)!r} must have the header 'video,label', "
                                                      f"got {reader.fieldnames}")
         for line, row in enumerate(reader, start=2):

@@ -11,7 +11,9 @@ issued on the default group while the batches ran. ``--save-at N`` writes
 ``--sleep-at BATCH:RANK:SECONDS`` makes one rank sleep inside one training step
 (alive, its threads running); ``--sigterm-at BATCH:RANK`` makes one rank send
 itself SIGTERM inside one training step, ``--exit-at BATCH:RANK`` call
-``sys.exit(0)`` there. ``--strategy-kw`` takes timeouts in seconds.
+``sys.exit(0)`` there; ``--unfreeze-at EPOCH`` freezes the first layer before
+training and unfreezes it at that epoch (``BaseFinetuning``). ``--strategy-kw``
+takes timeouts in seconds.
 
 Imbalance (``lightning_partial.callbacks.LoadImbalance``): ``--imbalance-ms``
 (alias ``--straggle-ms``) makes ``--stragglers`` ranks per batch, drawn with a
@@ -50,6 +52,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, TensorDataset
@@ -110,16 +113,32 @@ class Regressor(L.LightningModule):
             (self.pid_dir / f"rank{self.global_rank}.pid").write_text(str(os.getpid()))
 
     def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]  # --unfreeze-at: the frozen layer added later
         if self.optimizer == "adamw":
-            optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=self.weight_decay)
+            optimizer = torch.optim.AdamW(params, lr=0.01, weight_decay=self.weight_decay)
         else:
-            optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=self.momentum,
-                                        weight_decay=self.weight_decay)
+            optimizer = torch.optim.SGD(params, lr=0.05, momentum=self.momentum, weight_decay=self.weight_decay)
         if not self.step_scheduler:
             return optimizer
         # Halves the learning rate every 3 optimizer steps (abs_sgd: steps, not rounds or batches).
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class UnfreezeAt(BaseFinetuning):
+    """``--unfreeze-at EPOCH``: the first layer frozen before training, unfrozen (a param group added to the
+    optimizer) at that epoch's start, as ``BackboneFinetuning`` does."""
+
+    def __init__(self, epoch: int) -> None:
+        super().__init__()
+        self.epoch = epoch
+
+    def freeze_before_training(self, pl_module: L.LightningModule) -> None:
+        self.freeze(pl_module.net[0])
+
+    def finetune_function(self, pl_module: L.LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+        if epoch == self.epoch:
+            self.unfreeze_and_add_param_group(pl_module.net[0], optimizer)
 
 
 class SaveAt(L.Callback):
@@ -287,6 +306,8 @@ def main() -> None:
     parser.add_argument("--reload-dataloaders", action="store_true",
                         help="Trainer(reload_dataloaders_every_n_epochs=1)")
     add_launch_option(parser)
+    parser.add_argument("--unfreeze-at", type=int, default=None,
+                        help="the first layer frozen before training, unfrozen at this epoch (BaseFinetuning)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     fork = args.launch == "fork"
@@ -362,8 +383,9 @@ def main() -> None:
 
         time_checkpoints = ModelCheckpoint(dirpath=args.out / "ckpt_time", save_top_k=-1,
                                            train_time_interval=timedelta(seconds=args.checkpoint_seconds))
+    unfreeze = UnfreezeAt(args.unfreeze_at) if args.unfreeze_at is not None else None
     callbacks = [c for c in (probe, imbalance, tracker, rotation, saver, adaptive, epochs, rounds, checkpoints,
-                             time_checkpoints) if c is not None]
+                             time_checkpoints, unfreeze) if c is not None]
 
     def write_stopped(trainer: L.Trainer) -> None:
         # Every rank is expected to stop at the same step: the test compares the markers.
