@@ -280,6 +280,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         for line in config_text.splitlines():
             if line.strip().startswith("synthetic_classes:"):
                 chance = 1.0 / int(line.split(":", 1)[1].split("#")[0])
+    for i, part in enumerate(args.extra):  # the fits' own options win over the config's
+        if part.startswith("--data.synthetic_classes"):
+            value = part.partition("=")[2] or (args.extra[i + 1] if i + 1 < len(args.extra) else "")
+            if value.isdigit() and int(value) > 0:
+                chance = 1.0 / int(value)
     title = (f"recipe {args.recipe}, {args.devices} CPU processes, built-in data, "
              f"config {args.config.name}{' ' + ' '.join(args.extra) if args.extra else ''}")
     payload = {"recipe": args.recipe, "config": str(args.config), "devices": args.devices, "extra": args.extra,

@@ -527,13 +527,20 @@ def test_close_is_bounded_and_idempotent():
 
 
 def test_missing_rank_times_out_with_rank_and_round():
-    """In sync mode a live rank that stops arriving makes the others raise, naming rank and round."""
+    """In sync mode a live rank that stops arriving makes the others raise, naming rank and round, and, by the
+    ranks' heartbeats (alive: no verdict), the rank that is behind."""
+    from lightning_partial.collectives import Heartbeat
+
     raised = threading.Semaphore(0)
 
     def fn(rank, store):
         e = PartialAllreduce(
             config(mode="sync", timeout=timedelta(seconds=2)), store=store, rank=rank, world_size=P, like=torch.zeros(1)
         )
+        beat = Heartbeat(store, rank=rank, world_size=P, timeout=timedelta(seconds=60), interval=0.05, name="t",
+                         on_dead=lambda err: None, progress=lambda: e.round_reached)
+        e.attach_liveness(beat)
+        beat.start()
         e.start()
         try:
             for step in range(3):
@@ -545,9 +552,11 @@ def test_missing_rank_times_out_with_rank_and_round():
         except PartialCollectiveTimeout as err:
             raised.release()
             assert f"rank {rank}" in str(err) and "round 2" in str(err), str(err)
+            assert "behind by their last heartbeats: rank 2 (round 2), the others at round 3" in str(err), str(err)
             return "timeout"
         finally:
             e.close(timeout=2)
+            beat.stop()
         return "completed"
 
     assert run_threads(P, fn, timeout=30) == ["timeout", "timeout", "absent", "timeout"]

@@ -673,6 +673,46 @@ def test_malformed_real_files_are_reported(tmp_path: Path) -> None:
         VideoFeaturesDataModule(data_dir=str(tmp_path / "video"))
 
 
+def test_a_broken_file_found_only_by_reading_it_is_reported_at_set_up(tmp_path: Path) -> None:
+    """Files that only a read would find broken (a feature file of another width or not .npy, late in the list; a
+    CIFAR label outside the classes) end set-up on every rank with an error naming the file, not one rank mid-fit
+    with a traceback (whose peers would then see a failed collective)."""
+    from recipes.data import CIFARDataModule, VideoFeaturesDataModule
+
+    root = write_video_features(tmp_path / "width")
+    np.save(root / "features" / "v_train_011.npy", np.zeros((5, 3), dtype=np.float32))
+    module = VideoFeaturesDataModule(data_dir=str(root))
+    with pytest.raises(RecipeConfigError, match=r"v_train_011\.npy': expected a \[frames >= 1, 8\] feature array"):
+        module._build()
+    root = write_video_features(tmp_path / "text")
+    (root / "features" / "v_val_005.npy").write_text("not an array\n")
+    with pytest.raises(RecipeConfigError, match=r"v_val_005\.npy' is not a NumPy \.npy feature file"):
+        VideoFeaturesDataModule(data_dir=str(root))._build()
+    write_cifar(tmp_path / "cifar")
+    path = tmp_path / "cifar" / "cifar-10-batches-py" / "data_batch_3"
+    with open(path, "rb") as f:
+        entry = pickle.load(f, encoding="bytes")
+    entry[b"labels"][4] = 10
+    with open(path, "wb") as f:
+        pickle.dump(entry, f, protocol=2)
+    with pytest.raises(RecipeConfigError, match=r"data_batch_3': 1 label\(s\) outside 0\.\.9 for cifar10, e\.g\. "
+                                                r"10 at row 4"):
+        CIFARDataModule(data_dir=str(tmp_path / "cifar"))._build()
+
+
+def test_an_option_of_the_other_kind_of_data_is_refused(tmp_path: Path) -> None:
+    """data.dataset cifar100 without data.data_dir would train the 10-class built-in task; data.image_size with
+    CIFAR's files would be ignored (its images are 32 x 32): both refused, naming the option."""
+    from recipes.data import CIFARDataModule
+
+    with pytest.raises(RecipeConfigError, match=r"--data.dataset: 'cifar100' selects the real files' layout"):
+        CIFARDataModule(dataset="cifar100")
+    write_cifar(tmp_path)
+    with pytest.raises(RecipeConfigError, match=r"--data.image_size: 16 sizes the built-in images"):
+        CIFARDataModule(data_dir=str(tmp_path), image_size=16)
+    assert CIFARDataModule(image_size=16).image_size == 16  # built-in images: any size
+
+
 def test_batch_larger_than_a_ranks_share_is_refused() -> None:
     from recipes.data import CIFARDataModule
 

@@ -226,6 +226,9 @@ def test_round_accumulator_counts_a_round_larger_than_the_reference_as_one_refer
     assert torch.equal(accumulator.take(0)[0], result[0] + torch.tensor([2.0, -1.0])) and accumulator.capped(0) == 2
     per_round = RoundAccumulator(step_samples=None, reference_samples=8)  # a step per round: alike
     assert per_round.add(0, big, divisor=8.0, samples=48) and torch.equal(per_round.take(0)[0], torch.tensor([2.0, -1.0]))
+    synchronous = RoundAccumulator(step_samples=8, reference_samples=8)  # limit=False: all its samples count
+    assert synchronous.add(0, big, divisor=8.0, samples=48, limit=False) and synchronous.samples(0) == 48
+    assert torch.equal(synchronous.take(0)[0], big[0]) and synchronous.capped(0) == 0
     mean_rule = RoundAccumulator(step_samples=8, reference_samples=None)  # the paper's mean: sample-weighted, as is
     assert mean_rule.add(0, [torch.tensor([2.0, -1.0])], divisor=48.0, samples=48) and mean_rule.capped(0) == 0
     assert torch.equal(mean_rule.take(0)[0], torch.tensor([2.0, -1.0]))

@@ -754,9 +754,10 @@ class PartialAllreduce(RoundRunner):
         self._wait_on_cond(
             done,
             q,
-            f"round {q} did not complete (mode={self.config.mode}, "
-            f"{info.arrived} of {self.world_size} ranks had arrived at this step "
-            "when this rank did); is a rank dead or stalled?",
+            f"round {q} did not complete (mode={self.config.mode}"
+            + (f", {info.arrived} of {self.world_size} ranks had arrived at this step when this rank did"
+               if isinstance(info.arrived, int) else "")  # synchronous rounds count no arrivals
+            + "); is a rank dead or stalled?",
         )
         return self._take_result(q)
 

@@ -166,6 +166,23 @@ class Heartbeat:
         """
         return self.wait_verdict(2 * self.interval, fresh=not timed_out)
 
+    def reported_rounds(self) -> dict[int, str]:
+        """Each rank's round in its last beat (``"none"`` before its first round, ``"done"`` once stopped), read
+        now with a client of its own (any thread); ranks with no beat yet are left out, and so is everything if
+        the store does not answer within ``timeout`` (5 s at most). For an error message: it never raises."""
+        rounds: dict[int, str] = {}
+        try:
+            client = dist.PrefixStore(f"lightning_partial/{self._name}/hb", clone_store(self._store))
+            client.set_timeout(min(self.timeout, timedelta(seconds=5)))  # an error is waiting to be raised
+            ranks = [r for r in range(self.world_size) if client.check([str(r)])]  # a get would wait for a key
+            for r, value in zip(ranks, client.multi_get([str(r) for r in ranks]) if ranks else []):
+                text = value.decode()
+                rounds[r] = text if text == _DONE else text.partition(":")[2]
+        except Exception as err:  # noqa: BLE001 - only an error message is at stake
+            log.debug("rank %d: the heartbeats could not be read (%s)", self.rank, err)
+            return {}
+        return rounds
+
     def start(self) -> "Heartbeat":
         """Writes the first beat and starts the threads (every rank; not collective)."""
         if self._threads:

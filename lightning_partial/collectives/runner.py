@@ -335,8 +335,28 @@ class RoundRunner(EngineGroups):
             while not done():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise PartialCollectiveTimeout(f"timed out after {timeout:g}s: {what}", rank=self.rank, round_index=r)
+                    break
                 self._cond.wait(timeout=remaining)
+            else:
+                return
+        # Outside the lock: reading the heartbeats takes store calls.
+        raise PartialCollectiveTimeout(f"timed out after {timeout:g}s: {what}{self._rounds_reported()}",
+                                       rank=self.rank, round_index=r)
+
+    def _rounds_reported(self) -> str:
+        """For a wait that timed out: the ranks behind the others by their last heartbeats (each reports the
+        round it has reached), or nothing without a heartbeat or where none is behind."""
+        liveness = self._liveness
+        rounds = liveness.reported_rounds() if liveness is not None else {}
+        reached = {r: int(v) for r, v in rounds.items() if v.lstrip("-").isdigit()}
+        if not reached:
+            return ""
+        top = max(reached.values())
+        behind = [f"rank {r} (round {v})" for r, v in sorted(reached.items()) if v < top]
+        never = [f"rank {r}" for r, v in sorted(rounds.items()) if v == "none"]
+        parts = ([f"behind by their last heartbeats: {', '.join(behind)}, the others at round {top}"] if behind
+                 else []) + ([f"no round yet: {', '.join(never)}"] if never else [])
+        return "".join(f"; {p}" for p in parts)
 
     # -------------------------------------------------- activation (protected)
     def _no_activation_needed(self, r: int) -> bool:

@@ -232,9 +232,10 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             round's samples over ``B`` (the update is ``lr * sum_i G_i / B``),
             the linear scaling rule per round: a round of fewer samples than a
             synchronous step takes a proportionally smaller step, so the learning
-            rate tuned for DDP stays right; a round of more than ``B`` samples (a
-            long ``interval``) counts as ``B``, its mean gradient, with a warning,
-            since all its micro-batches were computed at the same weights. ``None``: each round's update is the
+            rate tuned for DDP stays right; an asynchronous round of more than ``B``
+            samples (a long ``interval``) counts as ``B``, its mean gradient, with a
+            warning: its micro-batches were computed at the same weights (at most
+            one update apart). ``None``: each round's update is the
             sample-weighted mean gradient whatever the round's samples (the
             paper's rule: a round of 38 samples then takes a full step, which at
             DDP's learning rate cost 25-57 points in the main job, see
@@ -846,9 +847,12 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         steps = 0
         for k, result in enumerate(results):
             capped = accumulator.capped(index)
+            # An asynchronous round larger than a global batch counts as one (its mean gradient: what the
+            # trigger made); the synchronous rounds (the finish, AdaptiveBatchSize's split, the switch holding
+            # what each rank had pending) count all their samples.
             due = accumulator.add(index, result.tensors, divisor=result.stats.divisor,
-                                  samples=int(result.stats.contributions))
-            if accumulator.capped(index) > capped and not result.stats.synchronous:
+                                  samples=int(result.stats.contributions), limit=not result.stats.synchronous)
+            if accumulator.capped(index) > capped:
                 self._warn_large_round(int(result.stats.contributions), accumulator.reference_samples)
             # The step's first round (the rounds come in order, each once): in the synchronous finish,
             # from its second round on, every micro-batch was computed after every earlier result was applied.
@@ -894,8 +898,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
 
     def _warn_large_round(self, samples: int, reference: Optional[int]) -> None:
         """Once per fit, rank 0: an asynchronous round held more than ``reference_samples`` (what the trigger
-        made; the synchronous round at the switch to the finish holds what each rank had pending, and is not
-        warned about)."""
+        made), counted as that many."""
         if self._warned_capped:
             return
         self._warned_capped = True
@@ -903,8 +906,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             log.warning(
                 "abs_sgd: a round held %d samples, more than reference_samples (%s), with trigger=%r, "
                 "target_samples=%r, interval=%r: it counts as %s samples, a step on its mean gradient, not %.3g "
-                "times it (its micro-batches were computed at the same weights; a longer step along one gradient "
-                "diverges). Such rounds train fewer steps per sample: make rounds hold at most a global batch (a "
+                "times it (its micro-batches were computed at the same weights, at most one update apart; a longer "
+                "step along one gradient diverges). Such rounds train fewer steps per sample: make rounds hold at most a global batch (a "
                 "shorter interval, a smaller target_samples)", samples, reference, self.trigger,
                 self.target_samples, self.interval, reference, samples / float(reference or 1),
             )

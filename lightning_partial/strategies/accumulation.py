@@ -11,9 +11,9 @@ normalises the scale away and takes a full step per round.
 the round's gradient sum over its divisor, rescaled to the step's), until
 the rounds hold about ``step_samples`` samples; the optimizer then steps once
 on their gradient sum over the step's divisor (``reference_samples`` when
-set: the linear scaling rule over the whole step, a round larger than
-``reference_samples`` counting as that many samples, its mean gradient;
-otherwise the step's samples: the sample-weighted mean). Every
+set: the linear scaling rule over the whole step, an asynchronous round
+larger than ``reference_samples`` counting as that many samples, its mean
+gradient; otherwise the step's samples: the sample-weighted mean). Every
 rank receives the same results in the same order, so every rank adds the same
 tensors in the same order and steps at the same rounds: replicas stay
 bit-identical. Where the step ends (``boundary``): at the round that brings the
@@ -64,7 +64,7 @@ class _Accumulated:
     samples: int = 0
     rounds: int = 0
     steps: int = 0  # optimizer steps taken in this fit (LR schedulers' frequency counts them)
-    capped: int = 0  # rounds of this fit larger than reference_samples, counted as reference_samples
+    capped: int = 0  # rounds of this fit larger than reference_samples counted as reference_samples (limit)
     spare: Optional[list[Tensor]] = field(default=None, repr=False)  # the last step's buffers, reused
 
 
@@ -91,15 +91,18 @@ class RoundAccumulator(CheckpointedState):
         self._state: dict[int, _Accumulated] = {}
         self._resumed: Optional[dict[int, dict[str, Any]]] = None
 
-    def add(self, index: int, tensors: Sequence[Tensor], *, divisor: float, samples: int) -> bool:
+    def add(self, index: int, tensors: Sequence[Tensor], *, divisor: float, samples: int, limit: bool = True) -> bool:
         """Adds a round's result (``tensors``: its gradient sum over ``divisor``); returns whether a step is due.
 
         Kept as the sum over the step's divisor: with ``reference_samples`` the results
-        (each the round's sum over it) add as they are.
+        (each the round's sum over it) add as they are. ``limit``: a round of more than
+        ``reference_samples`` samples counts as that many, its mean gradient (``abs_sgd``'s
+        asynchronous rounds, sized by the trigger; its synchronous rounds, sized by the strategy,
+        count all their samples).
         """
         state = self._state.setdefault(index, _Accumulated())
         scale = divisor / self.reference_samples if self.reference_samples is not None else divisor
-        if self.reference_samples is not None and samples > self.reference_samples:
+        if limit and self.reference_samples is not None and samples > self.reference_samples:
             # A round larger than the reference batch counts as one: its mean gradient. Its micro-batches were
             # computed at the same weights: more samples refine one gradient, they do not make a longer step
             # along it safe (linear scaling would step samples / reference times its mean).

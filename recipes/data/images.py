@@ -126,11 +126,18 @@ def read_cifar_file(path: Path, label_key: bytes) -> tuple[torch.Tensor, torch.T
 
 def read_cifar(data_dir: Path, dataset: str, split: Literal["train", "test"]) -> tuple[torch.Tensor, torch.Tensor]:
     """All batches of one split of CIFAR-10 or CIFAR-100 from the python-version files."""
-    folder, train_files, test_files, label_key, _ = _CIFAR_LAYOUT[dataset]
+    folder, train_files, test_files, label_key, classes = _CIFAR_LAYOUT[dataset]
     root = find_cifar_dir(data_dir, dataset)
     files = train_files if split == "train" else test_files
-    parts = [read_cifar_file(require_file(root / name, "data.data_dir", f"{dataset} {split} batch"), label_key)
-             for name in files]
+    parts = []
+    for name in files:
+        path = require_file(root / name, "data.data_dir", f"{dataset} {split} batch")
+        images, labels = read_cifar_file(path, label_key)
+        bad = ((labels < 0) | (labels >= classes)).nonzero().flatten()
+        if len(bad):  # else the loss fails mid-fit, on the one rank that draws the sample
+            raise RecipeConfigError("data.data_dir", f"{str(path)!r}: {len(bad)} label(s) outside 0..{classes - 1} "
+                                                     f"for {dataset}, e.g. {int(labels[bad[0]])} at row {int(bad[0])}")
+        parts.append((images, labels))
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
@@ -219,6 +226,15 @@ class CIFARDataModule(ImageDataModule):
             raise RecipeConfigError("data.dataset", f"must be cifar10 or cifar100, got {dataset!r}")
         self.dataset = dataset
         self.augment = augment
+        # Options of the other kind of data, refused rather than silently ignored.
+        if self.data_dir is None and dataset != "cifar10":
+            raise RecipeConfigError("data.dataset", f"{dataset!r} selects the real files' layout, and no "
+                                                    "data.data_dir is given: the built-in images have "
+                                                    f"data.synthetic_classes classes ({self.synthetic_classes}). Give "
+                                                    "data.data_dir, or set data.synthetic_classes instead")
+        if self.data_dir is not None and self.image_size != 32:
+            raise RecipeConfigError("data.image_size", f"{self.image_size} sizes the built-in images; CIFAR's "
+                                                       "images are 32 x 32: leave it at 32 with data.data_dir")
         if self.data_dir is not None:  # fail now, naming the option, rather than in setup
             root = find_cifar_dir(self.data_dir, dataset)
             _, train_files, test_files, _, _ = _CIFAR_LAYOUT[dataset]

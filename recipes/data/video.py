@@ -119,6 +119,14 @@ def load_features(path: Path) -> np.ndarray:
     return array
 
 
+def check_shape(path: Path, array: np.ndarray, feature_dim: int) -> np.ndarray:
+    """``array`` if it is ``[frames >= 1, feature_dim]``; an error naming ``data.data_dir`` and the file otherwise."""
+    if array.ndim != 2 or array.shape[0] < 1 or array.shape[1] != feature_dim:
+        raise RecipeConfigError("data.data_dir", f"{str(path)!r}: expected a [frames >= 1, {feature_dim}] feature "
+                                                 f"array (as the first file of train.csv), got shape {array.shape}")
+    return array
+
+
 class FeatureFiles(Dataset):
     """Per-video ``.npy`` feature files listed in a ``video,label`` CSV (module docstring)."""
 
@@ -131,9 +139,7 @@ class FeatureFiles(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         name, label = self.rows[index]
         path = self.root / name
-        array = load_features(path)
-        if array.ndim != 2 or array.shape[0] < 1 or array.shape[1] != self.feature_dim:
-            raise ValueError(f"{path}: expected a [frames >= 1, {self.feature_dim}] feature array, got {array.shape}")
+        array = check_shape(path, load_features(path), self.feature_dim)
         if array.shape[0] > self.max_frames:
             keep = np.linspace(0, array.shape[0] - 1, self.max_frames).round().astype(np.int64)
             array = array[keep]
@@ -199,5 +205,9 @@ class VideoFeaturesDataModule(RecipeDataModule):
             if missing:
                 raise RecipeConfigError("data.data_dir", f"{len(missing)} feature file(s) listed in {split}.csv "
                                                          f"do not exist, e.g. {str(self.data_dir / missing[0])!r}")
+            for name, _ in rows:
+                # The header only (memory-mapped): a broken file ends every rank here, before the first batch,
+                # not the one rank that reads it mid-epoch (whose peers would then see a failed collective).
+                check_shape(self.data_dir / name, load_features(self.data_dir / name), self._feature_dim)
         return (FeatureFiles(self.data_dir, self._rows["train"], self._feature_dim, self.max_frames),
                 FeatureFiles(self.data_dir, self._rows["val"], self._feature_dim, self.max_frames))
