@@ -85,18 +85,18 @@ def run_fit(out: Path, *extra: str, launch: str = "fork") -> list[dict]:
 
 @pytest.mark.timeout(300)
 def test_rounds_larger_than_a_global_batch_take_a_bounded_step(tmp_path):
-    """trigger="time" with an interval of many micro-batches: a round holds several global batches, all computed
-    at the same weights. Linear scaling would step sum / B (8-13 times the mean here, SGD momentum 0.9; the weights
-    reached 1e6 in 10 rounds); such a round counts as B samples, a step on its mean, with one warning naming the
+    """target_samples=256 (16 micro-batches of a rank per round): a round holds 4-16 global batches of B = 64, all
+    computed at the same weights. Linear scaling would step sum / B, 4-16 times the mean (SGD momentum 0.9: the
+    weights left every bound); such a round counts as B samples, a step on its mean, with one warning naming the
     options, and the replicas end identical and bounded."""
     out = tmp_path / "run"
-    options = json.dumps({"delay": 1, "trigger": "time", "interval": 0.2})
+    options = json.dumps({"delay": 1, "target_samples": 256})
     proc = forkrun.run(fit_command(out, "--strategy", "abs_sgd", "--steps", "10", "--momentum", "0.9",
                                    "--strategy-kw", options, launch="fork"), env=FIT_ENV, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     output = proc.stdout + proc.stderr
     assert output.count("abs_sgd: a round held") == 1, output[-4000:]
-    assert "with trigger='time', target_samples=None, interval=0.2: it counts as 64 samples" in output
+    assert "with trigger='samples', target_samples=256, interval=None: it counts as 64 samples" in output
     assert_identical(out)
     weights = torch.load(out / "rank0.pt")
     assert max(float(v.abs().max()) for v in weights.values()) < 5, weights

@@ -811,7 +811,8 @@ def test_main_job_takes_each_recipes_own_config(tmp_path: Path, capsys: pytest.C
     with pytest.raises(SystemExit):
         parse_args(["--out", str(tmp_path), "--recipe", "ucf101_lstm"])
     assert "--recipe ucf101_lstm has no main-job configuration: pass --config" in capsys.readouterr().err
-    own = parse_args(["--out", str(tmp_path), "--recipe", "ucf101_lstm", "--config", str(ROOT / "conf" / "ucf101_lstm.yaml")])
+    own = parse_args(["--out", str(tmp_path), "--recipe", "ucf101_lstm",
+                      "--config", str(ROOT / "conf" / "ucf101_lstm.yaml")])
     assert own.config == ROOT / "conf" / "ucf101_lstm.yaml"
 
 

@@ -225,7 +225,8 @@ def test_round_accumulator_counts_a_round_larger_than_the_reference_as_one_refer
     assert accumulator.add(0, big, divisor=8.0, samples=48) and accumulator.samples(0) == 12
     assert torch.equal(accumulator.take(0)[0], result[0] + torch.tensor([2.0, -1.0])) and accumulator.capped(0) == 2
     per_round = RoundAccumulator(step_samples=None, reference_samples=8)  # a step per round: alike
-    assert per_round.add(0, big, divisor=8.0, samples=48) and torch.equal(per_round.take(0)[0], torch.tensor([2.0, -1.0]))
+    assert per_round.add(0, big, divisor=8.0, samples=48)
+    assert torch.equal(per_round.take(0)[0], torch.tensor([2.0, -1.0]))
     synchronous = RoundAccumulator(step_samples=8, reference_samples=8)  # limit=False: all its samples count
     assert synchronous.add(0, big, divisor=8.0, samples=48, limit=False) and synchronous.samples(0) == 48
     assert torch.equal(synchronous.take(0)[0], big[0]) and synchronous.capped(0) == 0

@@ -78,6 +78,9 @@ class Heartbeat:
         timeout: silence after which the watched rank is declared dead.
         on_dead: called once, on the heartbeat's thread, with the verdict's error.
         progress: returns the round this rank is at (carried in its beats, named in a verdict).
+        rounds_comparable: the progress of every rank counts the same rounds (one engine, or engines
+            in lock-step), so that a timed-out round may name the ranks behind the others
+            (:meth:`reported_rounds`); ``False``: it does not.
         interval: seconds between beats; default :func:`default_interval`.
         exit_grace: if set, seconds after a verdict after which the process is ended
             (exit code 1) unless :meth:`stop` was called.
@@ -96,6 +99,7 @@ class Heartbeat:
         interval: Optional[float] = None,
         exit_grace: Optional[float] = None,
         name: str = "heartbeat",
+        rounds_comparable: bool = True,
     ) -> None:
         check_timedelta("heartbeat timeout", timeout)
         check_int("rank", rank, minimum=0)  # a bool or a float would pass the range check below
@@ -116,6 +120,7 @@ class Heartbeat:
         self.exit_grace = exit_grace
         self._on_dead = on_dead
         self._progress = progress
+        self.rounds_comparable = bool(rounds_comparable)
         self._store = store
         self._name = name
         self._client: Optional[dist.Store] = None
@@ -166,22 +171,36 @@ class Heartbeat:
         """
         return self.wait_verdict(2 * self.interval, fresh=not timed_out)
 
-    def reported_rounds(self) -> dict[int, str]:
-        """Each rank's round in its last beat (``"none"`` before its first round, ``"done"`` once stopped), read
-        now with a client of its own (any thread); ranks with no beat yet are left out, and so is everything if
-        the store does not answer within ``timeout`` (5 s at most). For an error message: it never raises."""
-        rounds: dict[int, str] = {}
-        try:
-            client = dist.PrefixStore(f"lightning_partial/{self._name}/hb", clone_store(self._store))
-            client.set_timeout(min(self.timeout, timedelta(seconds=5)))  # an error is waiting to be raised
-            ranks = [r for r in range(self.world_size) if client.check([str(r)])]  # a get would wait for a key
-            for r, value in zip(ranks, client.multi_get([str(r) for r in ranks]) if ranks else []):
-                text = value.decode()
-                rounds[r] = text if text == _DONE else text.partition(":")[2]
-        except Exception as err:  # noqa: BLE001 - only an error message is at stake
-            log.debug("rank %d: the heartbeats could not be read (%s)", self.rank, err)
+    def reported_rounds(self, wait: float = 5.0) -> dict[int, int]:
+        """The round in each rank's last beat, for the error of a wait that timed out (any thread; never raises).
+
+        Read on a daemon thread with a client of its own, waited for at most ``wait`` seconds: a ``TCPStore``
+        client does not always honour its timeout when the store's host is frozen, and an error is waiting to
+        be raised. Empty where the heartbeat is not running, has a verdict or lost the store, where its ranks'
+        progress counts different rounds (``rounds_comparable=False``), or where the read does not end in
+        time; ranks without a beat yet, or stopped, are left out.
+        """
+        if not self._threads or self._verdict is not None or not self._store_ok or not self.rounds_comparable:
             return {}
-        return rounds
+        found: dict[int, int] = {}
+
+        def read() -> None:
+            try:
+                client = dist.PrefixStore(f"lightning_partial/{self._name}/hb", clone_store(self._store))
+                if not isinstance(self._store, dist.HashStore):  # a HashStore is shared, not cloned: leave it
+                    client.set_timeout(timedelta(seconds=wait))
+                ranks = [r for r in range(self.world_size) if client.check([str(r)])]  # a get waits for a key
+                values = client.multi_get([str(r) for r in ranks]) if ranks else []
+                rounds = {r: v.decode().partition(":")[2] for r, v in zip(ranks, values)}
+                found.update({r: int(v) for r, v in rounds.items() if v.lstrip("-").isdigit()})
+            except Exception as err:  # noqa: BLE001 - only an error message is at stake
+                log.debug("rank %d: the heartbeats could not be read (%s)", self.rank, err)
+
+        reader = threading.Thread(target=read, name=f"lightning_partial-{self._name}-rank{self.rank}-read",
+                                  daemon=True)
+        reader.start()
+        reader.join(wait)
+        return {} if reader.is_alive() else dict(found)
 
     def start(self) -> "Heartbeat":
         """Writes the first beat and starts the threads (every rank; not collective)."""

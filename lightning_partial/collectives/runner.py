@@ -345,18 +345,14 @@ class RoundRunner(EngineGroups):
 
     def _rounds_reported(self) -> str:
         """For a wait that timed out: the ranks behind the others by their last heartbeats (each reports the
-        round it has reached), or nothing without a heartbeat or where none is behind."""
+        round it has reached), or nothing (no heartbeat, none behind, or no answer within 5 s)."""
         liveness = self._liveness
-        rounds = liveness.reported_rounds() if liveness is not None else {}
-        reached = {r: int(v) for r, v in rounds.items() if v.lstrip("-").isdigit()}
+        reached = liveness.reported_rounds() if liveness is not None else {}
         if not reached:
             return ""
         top = max(reached.values())
         behind = [f"rank {r} (round {v})" for r, v in sorted(reached.items()) if v < top]
-        never = [f"rank {r}" for r, v in sorted(rounds.items()) if v == "none"]
-        parts = ([f"behind by their last heartbeats: {', '.join(behind)}, the others at round {top}"] if behind
-                 else []) + ([f"no round yet: {', '.join(never)}"] if never else [])
-        return "".join(f"; {p}" for p in parts)
+        return f"; behind by their last heartbeats: {', '.join(behind)}, the others at round {top}" if behind else ""
 
     # -------------------------------------------------- activation (protected)
     def _no_activation_needed(self, r: int) -> bool:

@@ -906,10 +906,11 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             log.warning(
                 "abs_sgd: a round held %d samples, more than reference_samples (%s), with trigger=%r, "
                 "target_samples=%r, interval=%r: it counts as %s samples, a step on its mean gradient, not %.3g "
-                "times it (its micro-batches were computed at the same weights, at most one update apart; a longer "
-                "step along one gradient diverges). Such rounds train fewer steps per sample: make rounds hold at most a global batch (a "
-                "shorter interval, a smaller target_samples)", samples, reference, self.trigger,
-                self.target_samples, self.interval, reference, samples / float(reference or 1),
+                "times it (its micro-batches were computed at the same weights, at most one update apart; a "
+                "longer step along one gradient diverges). Such rounds train fewer steps per sample: make rounds "
+                "hold at most reference_samples (a shorter interval, a smaller target_samples)", samples,
+                reference, self.trigger, self.target_samples, self.interval, reference,
+                samples / float(reference or 1),
             )
 
     # ------------------------------------------------------------- agreement

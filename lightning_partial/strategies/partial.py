@@ -397,6 +397,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             progress=lambda: max(e.round_reached for e in engines),
             exit_grace=_EXIT_GRACE,
             name=f"{self.strategy_name}-heartbeat",
+            # One engine's rounds: a timed-out round may name the ranks behind (several optimizers may step
+            # at different rates, and a beat carries the largest round of any).
+            rounds_comparable=len(engines) == 1,
         ).start()
         for engine in engines:
             engine.attach_liveness(self._heartbeat)
@@ -588,8 +591,11 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         An engine's layout is fixed when it starts. A parameter made trainable later (``BaseFinetuning``'s
         unfreeze adds it to the optimizer) would train on each rank alone, the replicas drifting apart without
         a sign (as under DDP, whose reducer also keeps the parameters it was built with); one frozen later
-        would still be moved by the other ranks' gradients or averages. Every rank makes the same change at
-        the same step (a callback's epoch), so every rank raises here, at the same step.
+        would still be moved by the other ranks' gradients or averages. Refused on one rank too, so that a fit
+        that runs on one device runs on many. A callback makes the change at the same step on every rank
+        under eager_sgd and model averaging, so every rank raises at that step; under abs_sgd, whose ranks
+        start an epoch at different rounds, the first to get there raises and the others end with a failed
+        round.
         """
         taken = self._params.get(index, [])
         trainable = [p for group in self.optimizers[index].param_groups for p in group["params"] if p.requires_grad]
@@ -615,7 +621,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             f"{self.strategy_name}: the trainable parameters of optimizer {index} changed after the fit started "
             f"(step {self._trainer.global_step}): {'; '.join(changes)}. The strategy synchronises the parameters "
             "that are trainable when training starts, for the whole fit (a parameter unfrozen later would train "
-            "on each rank alone). Fix the trainable set before fit: to unfreeze later (BaseFinetuning, "
+            "outside it, on each rank alone). Fix the trainable set before fit: to unfreeze later (BaseFinetuning, "
             "BackboneFinetuning), make the parameters trainable from the start in a param group whose learning "
             "rate is 0 until then"
         )
