@@ -122,19 +122,21 @@ def replace_sigterm_broadcast(trainer: object, stop_requested: Callable[[], bool
     """
     loop = _epoch_loop(trainer)
     if loop is None or not hasattr(loop, "_broadcast_sigterm_tensor"):
+        # Lightning before 2.6: the strategy runs the same check at its batch start instead.
         log.debug("no _broadcast_sigterm_tensor on this Lightning: nothing to replace")
         return False
-
-    def _nonblocking_sigterm_check() -> None:
-        if stop_requested():
-            # What Lightning's own handler would have recorded (Trainer.received_sigterm reads it).
-            connector = getattr(trainer, "_signal_connector", None)
-            if connector is not None:
-                connector.received_sigterm = True
-            raise SIGTERMException()
-
-    _shadow(loop, "_broadcast_sigterm_tensor", _nonblocking_sigterm_check)
+    _shadow(loop, "_broadcast_sigterm_tensor", lambda: raise_if_stop_requested(trainer, stop_requested))
     return True
+
+
+def raise_if_stop_requested(trainer: object, stop_requested: Callable[[], bool]) -> None:
+    """At a batch start, on every rank: ``SIGTERMException`` once ``stop_requested()`` (a local check, no
+    collective), with ``trainer.received_sigterm`` set as Lightning's own handler would have set it."""
+    if stop_requested():
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is not None:
+            connector.received_sigterm = True
+        raise SIGTERMException()
 
 
 def restore_sigterm_broadcast(trainer: Any) -> None:

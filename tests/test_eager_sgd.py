@@ -155,6 +155,22 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, victim,
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["eager_sgd", "abs_sgd"])
+def test_sigterm_stops_every_rank_at_the_same_step_without_lightnings_broadcast(tmp_path, strategy):
+    """Lightning before 2.6 has no per-batch SIGTERM broadcast for the strategy to replace (its own check comes
+    at each rank's batch end: the ranks would stop at different steps, and a stopped engine failed the others'
+    next step). The strategy then checks for the agreed stop at its batch start: every rank stops at the same
+    step. Checked on Lightning 2.4.0 and 2.5.0 by hand; here by making the replacement find nothing."""
+    out = tmp_path / "run"
+    command = fit_command(out, "--strategy", strategy, "--steps", "200", "--sigterm-at", "7:1",
+                          "--no-broadcast-replacement", launch="fork")
+    proc = forkrun.run(command, env=FIT_ENV, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    stopped = {(out / f"stopped{r}").read_text() for r in range(4)}
+    assert len(stopped) == 1, stopped
+
+
+@pytest.mark.timeout(300)
 def test_sigterm_with_overlap_stops_every_rank_at_the_same_step(tmp_path):
     """overlap=True: every rank has submitted the round after the stop round when it learns of the stop; that
     round never runs, and every rank still stops at the same step with identical replicas."""

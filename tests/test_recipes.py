@@ -700,15 +700,16 @@ def test_a_broken_file_found_only_by_reading_it_is_reported_at_set_up(tmp_path: 
         CIFARDataModule(data_dir=str(tmp_path / "cifar"))._build()
 
 
-def test_an_option_of_the_other_kind_of_data_is_refused(tmp_path: Path) -> None:
-    """data.dataset cifar100 without data.data_dir would train the 10-class built-in task; data.image_size with
-    CIFAR's files would be ignored (its images are 32 x 32): both refused, naming the option."""
+def test_an_option_of_the_other_kind_of_data_is_refused_or_said(tmp_path: Path) -> None:
+    """data.dataset cifar100 without data.data_dir would train the 10-class built-in task: refused, naming the
+    option. data.image_size with CIFAR's files is not used (its images are 32 x 32): said, not refused, since a
+    shared configuration (conf/main_job.yaml) sets it for the built-in images."""
     from recipes.data import CIFARDataModule
 
     with pytest.raises(RecipeConfigError, match=r"--data.dataset: 'cifar100' selects the real files' layout"):
         CIFARDataModule(dataset="cifar100")
     write_cifar(tmp_path)
-    with pytest.raises(RecipeConfigError, match=r"--data.image_size: 16 sizes the built-in images"):
+    with pytest.warns(UserWarning, match=r"--data.image_size 16 sizes the built-in images and is not used"):
         CIFARDataModule(data_dir=str(tmp_path), image_size=16)
     assert CIFARDataModule(image_size=16).image_size == 16  # built-in images: any size
 

@@ -701,7 +701,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Records the micro-batch's samples; ends the epoch (or the fit) where the rounds say so."""
+        """The agreed stop (Lightning before 2.6); records the micro-batch's samples; ends the epoch (or the
+        fit) where the rounds say so."""
+        self._check_stop_at_batch_start()
         self._batch_samples = int(extract_batch_size(batch))
         self._arrive_now = None
         engine = self._engines.get(0)

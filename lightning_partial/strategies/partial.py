@@ -183,6 +183,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         # At a batch start, run only the saves of rounds before this one (abs_sgd's epoch-last batch).
         self._save_boundary: Optional[int] = None
         self._previous_sigterm_handler: Any = None
+        self._stop_check_at_batch_start = False  # Lightning before 2.6: see _check_stop_at_batch_start
         self._resume_state: Optional[dict[str, Any]] = None  # from load_checkpoint, consumed at start
         self._final_states: dict[int, dict[str, Any]] = {}  # engine states after the final flush
         # While the engines are built (_start_engines): the first round of the one being built, and the world
@@ -364,7 +365,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         if not self.synchronous:
             # A globally synchronous step costs the broadcast nothing extra: keep
             # Lightning's own SIGTERM handling and clock decisions in pure sync mode.
-            _compat.replace_sigterm_broadcast(trainer, self._stop_now)
+            # Lightning before 2.6 has no per-batch broadcast to replace: the check then runs at this
+            # strategy's batch start (on_train_batch_start), on every rank at the same batch as well.
+            self._stop_check_at_batch_start = not _compat.replace_sigterm_broadcast(trainer, self._stop_now)
             if self._engines:
                 self._clock = AgreedClock(
                     rank=self.global_rank, finish=self._request_finish, announce=self._announce,
@@ -504,10 +507,19 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
     # ------------------------------------------------------------- training
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Every rank, main thread: the saves the applied rounds called for; then rank 0's clock."""
+        """Every rank, main thread: the agreed stop (Lightning before 2.6); the saves the applied rounds called
+        for; then rank 0's clock."""
+        self._check_stop_at_batch_start()
         self._run_pending_saves(before=self._save_boundary)
         if self._clock is not None:
             self._clock.at_batch_start(self._trainer)
+
+    def _check_stop_at_batch_start(self) -> None:
+        """Every rank, main thread, at a batch start: on a Lightning without the per-batch SIGTERM broadcast
+        (before 2.6; its own check comes at the batch's end, per rank), ``SIGTERMException`` once a round carried
+        a stop (:meth:`_stop_now`), so that every rank stops at the same batch as under 2.6."""
+        if self._stop_check_at_batch_start:
+            _compat.raise_if_stop_requested(self._trainer, self._stop_now)
 
     def _with_presence(self, tensors: list[torch.Tensor], params: list[torch.nn.Parameter],
                        present: Optional[list[bool]] = None) -> list[torch.Tensor]:
@@ -763,6 +775,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         if self._previous_sigterm_handler is not None:
             _compat.restore_sigterm_handler(self._previous_sigterm_handler)
             self._previous_sigterm_handler = None
+        self._stop_check_at_batch_start = False
         for engine in self._engines.values():
             engine.close()
         self._engines.clear()

@@ -33,6 +33,7 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 
 from recipes.data.base import BuiltinSamples, RecipeDataModule
@@ -226,15 +227,17 @@ class CIFARDataModule(ImageDataModule):
             raise RecipeConfigError("data.dataset", f"must be cifar10 or cifar100, got {dataset!r}")
         self.dataset = dataset
         self.augment = augment
-        # Options of the other kind of data, refused rather than silently ignored.
+        # Options of the other kind of data: refused where the user asked for something else than what would
+        # train (CIFAR-100 without its files), said where a shared configuration sets it (main_job.yaml's
+        # image_size, run on the real files).
         if self.data_dir is None and dataset != "cifar10":
             raise RecipeConfigError("data.dataset", f"{dataset!r} selects the real files' layout, and no "
                                                     "data.data_dir is given: the built-in images have "
                                                     f"data.synthetic_classes classes ({self.synthetic_classes}). Give "
                                                     "data.data_dir, or set data.synthetic_classes instead")
         if self.data_dir is not None and self.image_size != 32:
-            raise RecipeConfigError("data.image_size", f"{self.image_size} sizes the built-in images; CIFAR's "
-                                                       "images are 32 x 32: leave it at 32 with data.data_dir")
+            rank_zero_warn(f"--data.image_size {self.image_size} sizes the built-in images and is not used with "
+                           "data.data_dir: CIFAR's images are 32 x 32")
         if self.data_dir is not None:  # fail now, naming the option, rather than in setup
             root = find_cifar_dir(self.data_dir, dataset)
             _, train_files, test_files, _, _ = _CIFAR_LAYOUT[dataset]

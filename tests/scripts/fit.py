@@ -306,11 +306,18 @@ def main() -> None:
     parser.add_argument("--reload-dataloaders", action="store_true",
                         help="Trainer(reload_dataloaders_every_n_epochs=1)")
     add_launch_option(parser)
+    parser.add_argument("--no-broadcast-replacement", action="store_true",
+                        help="as on Lightning before 2.6: the strategy finds no per-batch SIGTERM broadcast to "
+                             "replace, and checks for the agreed stop at its batch start")
     parser.add_argument("--unfreeze-at", type=int, default=None,
                         help="the first layer frozen before training, unfrozen at this epoch (BaseFinetuning)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     fork = args.launch == "fork"
+    if args.no_broadcast_replacement:  # this process and the ranks it forks (the fallback of Lightning < 2.6)
+        from lightning_partial import _compat
+
+        _compat.replace_sigterm_broadcast = lambda trainer, stop_requested: False
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # torch read the variable at import: size this process's pool too (forked ranks inherit it).
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
