@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -75,6 +76,10 @@ def test_partial_allreduce_allocates_no_buffers_in_a_steady_state(mode: str) -> 
 
 
 def test_delayed_allreduce_allocates_no_buffers_in_a_steady_state() -> None:
+    from tests.test_delayed import quiesce
+
+    barrier, agree = threading.Barrier(2), {}
+
     def fn(rank: int, store) -> tuple[int, int]:
         engine = DelayedAllreduce(
             DelayedConfig(target_samples=4, timeout=timedelta(seconds=30), setup_timeout=timedelta(seconds=120)),
@@ -87,8 +92,11 @@ def test_delayed_allreduce_allocates_no_buffers_in_a_steady_state() -> None:
                     result.release()
                 if step == 2 * WARM:
                     warm = engine.layout.allocations
-            engine.pause()
-            return warm, engine.layout.allocations
+            final = engine.layout.allocations
+            # Agree on the last round and let it complete before closing (the strategy's quiesce): a rank that
+            # closed its groups with the other still in a round's allreduce would fail it (seen under load).
+            quiesce(engine, rank, barrier, agree)
+            return warm, final
         finally:
             engine.close()
 

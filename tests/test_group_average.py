@@ -313,10 +313,13 @@ def test_a_persistently_slow_rank_stays_close_to_the_others(name):
     to 2 here) and with a global average every 10 rounds, where it takes part at lags 3 and 4."""
     strategy = {"ds_sync": lambda: DSSyncStrategy(max_staleness=4), "wagma_sgd": WAGMAStrategy,
                 "wagma_sgd_tau10": lambda: WAGMAStrategy(global_every=10)}[name]()
-    # Rank 0 sleeps 25 ms a step. DS-Sync: the others wait at the staleness gate, so rank 0's
+    # Rank 0 sleeps 25 ms a step (40 ms for tau 10, below). DS-Sync: the others wait at the staleness gate, so rank 0's
     # models are 4 rounds old. WAGMA (no bound): the others, 5 ms a step, run up to the global
     # round while rank 0's models enter their groups 1 to tau - 1 rounds late.
-    gaps, lags = slow_rank_gaps(strategy, 300, sleep_s=0.005, slow_sleep_s=0.025, drift=0.005)
+    # WAGMA every 10 rounds: rank 0 sleeps 40 ms, so that on a loaded host, where the others' rounds take longer
+    # than their 5 ms, it still takes part at lag 3 often enough (25 ms gave 13 such rounds in one CI run).
+    slow = 0.04 if name == "wagma_sgd_tau10" else 0.025
+    gaps, lags = slow_rank_gaps(strategy, 300, sleep_s=0.005, slow_sleep_s=slow, drift=0.005)
     included = [k for k in lags if k is not None]
     # The test is only meaningful if rank 0 lagged by several rounds while it took part.
     lag = 2 if name == "wagma_sgd" else 3
