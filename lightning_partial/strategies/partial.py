@@ -115,6 +115,12 @@ EngineT = TypeVar("EngineT", bound=Engine)
 StepModel = Optional[Union["pl.LightningModule", torch.nn.Module]]
 
 
+def _trainable(optimizer: Optimizer) -> list[torch.nn.Parameter]:
+    """The optimizer's parameters with ``requires_grad``, in its order: what an engine takes at train start, and
+    what each step checks is still the same (:meth:`PartialStrategy._check_trainable`)."""
+    return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+
 class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
     """Base of the strategies over the partial-collective engines; not registered itself.
 
@@ -344,7 +350,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         self._resume_state = None
         self._saved_world_size = int(resume.get("world_size", self.world_size)) if resume else self.world_size
         for index, optimizer in enumerate(self.optimizers):
-            params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+            params = _trainable(optimizer)
             if not params:
                 continue
             state = self._engine_state(resume["engines"][index]) if resume and index in resume["engines"] else None
@@ -610,7 +616,7 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         round.
         """
         taken = self._params.get(index, [])
-        trainable = [p for group in self.optimizers[index].param_groups for p in group["params"] if p.requires_grad]
+        trainable = _trainable(self.optimizers[index])
         if len(trainable) == len(taken) and all(a is b for a, b in zip(trainable, taken)):
             return
         taken_ids, trainable_ids = {id(p) for p in taken}, {id(p) for p in trainable}
