@@ -772,6 +772,41 @@ def test_a_users_own_sampler_is_refused_and_an_unshuffled_loader_keeps_its_order
     assert batch.tolist() == [float(i) for i in range(1, 16, 2)]  # rank 1's shard, in order
 
 
+def test_the_elastic_samplers_seed_follows_seed_everything_as_ddps_does(monkeypatch):
+    """seed=None (default): the seed of the DistributedSampler abs_sgd replaces, which Lightning builds with
+    seed_everything's seed (PL_GLOBAL_SEED) as for DDP; an explicit seed wins. Before, a fixed 0 kept one order
+    whatever the fit's seed."""
+    from types import SimpleNamespace
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.arange(64.0))
+
+    def first_batch(seed_env: str | None, **kw) -> list[float]:
+        if seed_env is None:
+            monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+        else:
+            monkeypatch.setenv("PL_GLOBAL_SEED", seed_env)
+        strategy = ABSSGDStrategy(**kw)
+        strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(training=True))  # as in a fit
+        environment = LightningEnvironment()
+        environment.set_world_size(2)
+        environment.set_global_rank(0)
+        strategy.cluster_environment = environment
+        # The sampler Lightning gives a shuffled train loader on 2 ranks (use_distributed_sampler=True).
+        plain = DataLoader(data, batch_size=8, shuffle=True)
+        sampler = _get_distributed_sampler(plain, shuffle=True, overfit_batches=0, num_replicas=2, rank=0)
+        loader = DataLoader(data, batch_size=8, sampler=sampler)
+        return next(iter(strategy.process_dataloader(loader)))[0].tolist()
+
+    assert first_batch(None) == first_batch("0") == first_batch("7", seed=0)
+    assert first_batch("7") == first_batch(None, seed=7) != first_batch("0")
+    with pytest.raises(ValueError, match=r"seed must be an integer or None, got 1.5"):
+        ABSSGDStrategy(seed=1.5)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("unused", [True, False], ids=["find_unused_parameters", "default"])
 def test_unused_parameters_stay_untouched_with_find_unused_parameters(tmp_path, unused):

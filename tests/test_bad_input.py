@@ -164,6 +164,8 @@ CASES: list[tuple[str, Callable[[], Any], str]] = [
      r"^heartbeat timeout must be at most threading.TIMEOUT_MAX"),
     ("butterfly world not a power of the group", lambda: ButterflySchedule(world_size=6, group_size=4),
      r"world_size|group_size"),
+    ("butterfly global_every 0", lambda: ButterflySchedule(world_size=4, group_size=2, global_every=0),
+     r"^global_every must be an integer >= 1 or None, got 0$"),
     ("shuffle more groups than ranks", lambda: ShuffleSchedule(world_size=4, num_groups=8), r"num_groups"),
     # callbacks
     ("LoadImbalance negative delay", lambda: LoadImbalance(delay_ms=-5), r"delay_ms"),

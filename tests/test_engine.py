@@ -562,6 +562,47 @@ def test_missing_rank_times_out_with_rank_and_round():
     assert run_threads(P, fn, timeout=30) == ["timeout", "timeout", "absent", "timeout"]
 
 
+def test_a_timed_out_round_of_one_of_several_engines_names_the_ranks_behind_in_its_own_rounds():
+    """Two engines per rank (two optimizers), the first 5 rounds ahead of the second: the beats carry the
+    largest round of any, which cannot compare the second engine's rounds; each engine's round rides beside it,
+    and a timed-out round of the second engine names the rank behind in that engine's rounds."""
+    from lightning_partial.collectives import Heartbeat
+
+    raised = threading.Semaphore(0)
+
+    def fn(rank, store):
+        engines = [PartialAllreduce(config(mode="sync", timeout=timedelta(seconds=2), name=f"e{i}"), store=store,
+                                    rank=rank, world_size=P, like=torch.zeros(1)) for i in range(2)]
+        beat = Heartbeat(store, rank=rank, world_size=P, timeout=timedelta(seconds=60), interval=0.05, name="t",
+                         on_dead=lambda err: None, progress=lambda: max(e.round_reached for e in engines),
+                         rounds_comparable=False, engine_rounds=lambda: [e.round_reached for e in engines])
+        for i, e in enumerate(engines):
+            e.attach_liveness(beat, engine=i)
+        beat.start()
+        for e in engines:
+            e.start()
+        try:
+            for _ in range(8):
+                engines[0].arrive(torch.ones(1))
+            for step in range(3):
+                if rank == 2 and step == 2:
+                    assert all(raised.acquire(timeout=20) for _ in range(P - 1))
+                    return "absent"
+                engines[1].arrive(torch.ones(1))
+        except PartialCollectiveTimeout as err:
+            raised.release()
+            assert f"rank {rank}" in str(err) and "round 2" in str(err), str(err)
+            assert "behind by their last heartbeats: rank 2 (round 2), the others at round 3" in str(err), str(err)
+            return "timeout"
+        finally:
+            for e in engines:
+                e.close(timeout=2)
+            beat.stop()
+        return "completed"
+
+    assert run_threads(P, fn, timeout=40) == ["timeout", "timeout", "absent", "timeout"]
+
+
 def test_setup_timeout_bounds_the_rendezvous_and_timeout_the_rounds():
     """Ranks may reach start() further apart than the round timeout (within setup_timeout);
     a round with a missing rank still fails after the round timeout, naming rank and round."""

@@ -38,6 +38,21 @@ class TestSchedules:
         assert s.groups(2) == s.groups(0)
         assert s.group_of(1, 3) == (1, 3) and s.group_id(1, 3) == 1
 
+    @pytest.mark.parametrize("world_size,group_size,tau", [(4, 2, 2), (8, 2, 3), (16, 2, 2), (16, 2, 4), (4, 2, 5)])
+    def test_butterfly_phases_rotate_over_the_group_rounds_skipping_the_global_ones(self, world_size, group_size,
+                                                                                   tau):
+        # Without global_every, a tau that divides the phases put every group round on the same phases.
+        s = ButterflySchedule(world_size=world_size, group_size=group_size, global_every=tau)
+        group_rounds = [r for r in range(60) if (r + 1) % tau]
+        for i, r in enumerate(group_rounds):
+            assert s.groups(r) == ButterflySchedule(world_size=world_size, group_size=group_size).groups(i)
+        # log_S P consecutive group rounds mix every rank into every other, across a global round too.
+        for start in range(len(group_rounds) - s.phases + 1):
+            reach = {i: {i} for i in range(world_size)}
+            for r in group_rounds[start:start + s.phases]:
+                reach = {i: set().union(*(reach[j] for j in s.group_of(r, i))) for i in range(world_size)}
+            assert all(len(v) == world_size for v in reach.values())
+
     def test_butterfly_p64_s8_contiguous_then_strided(self):
         s = ButterflySchedule(world_size=64, group_size=8)
         assert s.phases == 2

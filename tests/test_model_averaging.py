@@ -91,7 +91,8 @@ def test_default_correction_and_order():
 
 
 def test_default_schedules():
-    assert WAGMAStrategy().build_schedule(4) == ButterflySchedule(world_size=4, group_size=2)
+    # The phases rotate over the group rounds: the schedule knows the global period (tau = 5).
+    assert WAGMAStrategy().build_schedule(4) == ButterflySchedule(world_size=4, group_size=2, global_every=5)
     assert WAGMAStrategy().build_schedule(64).group_size == 8
     assert DSSyncStrategy(seed=3).build_schedule(4) == ShuffleSchedule(world_size=4, num_groups=2, seed=3)
     # An odd world size: groups of its smallest divisor (the default had named num_groups at P = 5, 7, 9).
@@ -111,7 +112,7 @@ def run_fit(out: Path, strategy: str, *extra: str, launch: str = "fork") -> list
 @pytest.mark.parametrize(
     "strategy, schedule",
     [
-        ("wagma_sgd", ButterflySchedule(world_size=4, group_size=2)),
+        ("wagma_sgd", ButterflySchedule(world_size=4, group_size=2, global_every=5)),
         ("ds_sync", ShuffleSchedule(world_size=4, num_groups=2, seed=0)),
     ],
 )
@@ -283,7 +284,7 @@ def test_resume_from_a_mid_run_checkpoint_continues_the_rounds(tmp_path):
     second = tmp_path / "second"
     records = run_fit(second, "wagma_sgd", "--straggle-ms", "10", "--steps", "12", "--rotation", "3",
                       "--batchnorm", "--resume", str(first / "mid.ckpt"), "--strategy-kw", '{"final_sync": 0.25}')
-    schedule = ButterflySchedule(world_size=4, group_size=2)
+    schedule = ButterflySchedule(world_size=4, group_size=2, global_every=5)
     for rank, record in enumerate(records):
         assert [g["round_index"] for g in record["groups"]] == list(range(6, 12))
         for g in record["groups"]:

@@ -249,6 +249,7 @@ class PartialAllreduce(RoundRunner):
         self._done_events: dict[int, torch.cuda.Event] = {}  # CUDA: result ready, per round
         self._init_groups()
         self._liveness: Any = None  # see attach_liveness()
+        self._liveness_engine: Optional[int] = None
 
     # ------------------------------------------------------------------ API
     @property
@@ -577,16 +578,19 @@ class PartialAllreduce(RoundRunner):
                 self._error = error
             self._cond.notify_all()
 
-    def attach_liveness(self, liveness: Any) -> None:
+    def attach_liveness(self, liveness: Any, *, engine: Optional[int] = None) -> None:
         """A :class:`~lightning_partial.collectives.liveness.Heartbeat` consulted when a collective times out.
 
         Before :meth:`start`. A collective that timed out then raises the heartbeat's
         verdict naming the rank that stopped answering, if one comes within two beats, and
         so does one that failed otherwise once the round had waited about as long as its
         bound (a peer's own timeout closed the connection); one that failed early in the
-        round (a peer's process gone), a verdict already published.
+        round (a peer's process gone), a verdict already published. A wait that timed out
+        with every rank alive names the ranks behind by their beats: in this engine's rounds
+        where ``engine`` is its index in the heartbeat's ``engine_rounds``, else by its progress.
         """
         self._liveness = liveness
+        self._liveness_engine = engine
 
     def __enter__(self) -> "PartialAllreduce":
         return self

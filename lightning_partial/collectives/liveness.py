@@ -17,7 +17,8 @@ Threads and store traffic (the contract):
   does not always honour its timeout when the server's process is frozen with
   its sockets open, so it watches when the store last answered and, after
   ``timeout`` of silence, names the store's host (rank 0) itself.
-* Every ``interval`` the store thread writes its own key ``<rank>`` (``"<beat>:<round>"``) and
+* Every ``interval`` the store thread writes its own key ``<rank>`` (``"<beat>:<round>"``, and
+  ``":<r0>,<r1>,..."`` after it with ``engine_rounds``: each engine's round) and
   reads two keys in one ``multi_get``: the key of the rank it watches, the next
   one on a ring (``(rank + 1) % P``), and the verdict key ``dead``. That is
   ``2 P`` store calls per interval for the job, not ``P^2``. A collective that
@@ -47,7 +48,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -62,6 +63,15 @@ _DONE = "done"
 _ACK = "acknowledged"  # counter: ranks that have read the verdict
 _ACK_WAIT_MIN_S = 2.0  # the least a rank waits, after a verdict, for the others to read it
 _NEVER = "0:none"  # a watched rank's key before its first beat
+
+
+def _beat_round(value: str, engine: Optional[int]) -> str:
+    """From a beat ``count:progress[:r0,r1,...]``: the progress, or engine ``engine``'s round ("" if none)."""
+    fields = value.split(":")
+    if engine is None:
+        return fields[1] if len(fields) > 1 else ""
+    rounds = fields[2].split(",") if len(fields) > 2 else []
+    return rounds[engine] if 0 <= engine < len(rounds) else ""
 
 
 def default_interval(timeout: timedelta) -> float:
@@ -81,6 +91,10 @@ class Heartbeat:
         rounds_comparable: the progress of every rank counts the same rounds (one engine, or engines
             in lock-step), so that a timed-out round may name the ranks behind the others
             (:meth:`reported_rounds`); ``False``: it does not.
+        engine_rounds: returns the round each of this rank's engines has reached (several optimizers,
+            one engine each, may step at different rates): carried in the beats beside ``progress``, so
+            that a timed-out round of engine ``i`` names the ranks behind in that engine's rounds
+            (:meth:`reported_rounds` with ``engine=i``) where ``progress`` is not comparable.
         interval: seconds between beats; default :func:`default_interval`.
         exit_grace: if set, seconds after a verdict after which the process is ended
             (exit code 1) unless :meth:`stop` was called.
@@ -100,6 +114,7 @@ class Heartbeat:
         exit_grace: Optional[float] = None,
         name: str = "heartbeat",
         rounds_comparable: bool = True,
+        engine_rounds: Optional[Callable[[], Sequence[int]]] = None,
     ) -> None:
         check_timedelta("heartbeat timeout", timeout)
         check_int("rank", rank, minimum=0)  # a bool or a float would pass the range check below
@@ -121,6 +136,7 @@ class Heartbeat:
         self._on_dead = on_dead
         self._progress = progress
         self.rounds_comparable = bool(rounds_comparable)
+        self._engine_rounds = engine_rounds
         self._store = store
         self._name = name
         self._client: Optional[dist.Store] = None
@@ -171,16 +187,19 @@ class Heartbeat:
         """
         return self.wait_verdict(2 * self.interval, fresh=not timed_out)
 
-    def reported_rounds(self, wait: float = 5.0) -> dict[int, int]:
+    def reported_rounds(self, wait: float = 5.0, *, engine: Optional[int] = None) -> dict[int, int]:
         """The round in each rank's last beat, for the error of a wait that timed out (any thread; never raises).
 
-        Read on a daemon thread with a client of its own, waited for at most ``wait`` seconds: a ``TCPStore``
-        client does not always honour its timeout when the store's host is frozen, and an error is waiting to
-        be raised. Empty where the heartbeat is not running, has a verdict or lost the store, where its ranks'
-        progress counts different rounds (``rounds_comparable=False``), or where the read does not end in
-        time; ranks without a beat yet, or stopped, are left out.
+        ``engine``: that engine's round (``engine_rounds``) instead of the progress. Read on a daemon thread
+        with a client of its own, waited for at most ``wait`` seconds: a ``TCPStore`` client does not always
+        honour its timeout when the store's host is frozen, and an error is waiting to be raised. Empty where
+        the heartbeat is not running, has a verdict or lost the store, where its ranks' progress counts
+        different rounds (``rounds_comparable=False``, no ``engine``), or where the read does not end in
+        time; ranks without a beat yet (or without that engine's round), or stopped, are left out.
         """
-        if not self._threads or self._verdict is not None or not self._store_ok or not self.rounds_comparable:
+        if not self._threads or self._verdict is not None or not self._store_ok:
+            return {}
+        if engine is None and not self.rounds_comparable:
             return {}
         found: dict[int, int] = {}
 
@@ -191,7 +210,7 @@ class Heartbeat:
                     client.set_timeout(timedelta(seconds=wait))
                 ranks = [r for r in range(self.world_size) if client.check([str(r)])]  # a get waits for a key
                 values = client.multi_get([str(r) for r in ranks]) if ranks else []
-                rounds = {r: v.decode().partition(":")[2] for r, v in zip(ranks, values)}
+                rounds = {r: _beat_round(v.decode(), engine) for r, v in zip(ranks, values)}
                 found.update({r: int(v) for r, v in rounds.items() if v.lstrip("-").isdigit()})
             except Exception as err:  # noqa: BLE001 - only an error message is at stake
                 log.debug("rank %d: the heartbeats could not be read (%s)", self.rank, err)
@@ -270,9 +289,21 @@ class Heartbeat:
             log.debug("rank %d: waiting for the verdict's acknowledgements: %s", self.rank, err)
 
     # ------------------------------------------------------------- threads
-    def _beat(self, count: int) -> None:
+    def _beat_value(self, count: int) -> str:
+        """``count:progress``, and ``:r0,r1,...`` (each engine's round) with ``engine_rounds``; never raises: a
+        failing callback (``?`` in its place) must neither stop the beats nor pass for a failure of the store."""
+        progress = self._safe_progress()
+        engines = ""
+        if self._engine_rounds is not None:
+            try:
+                engines = ":" + ",".join(str(int(r)) for r in self._engine_rounds())
+            except Exception:  # noqa: BLE001 - only for a message
+                engines = ":?"
+        return f"{count}:{'?' if progress is None else progress}{engines}"
+
+    def _beat(self, count: int, value: Optional[str] = None) -> None:
         assert self._client is not None
-        self._client.set(str(self.rank), f"{count}:{self._progress()}")
+        self._client.set(str(self.rank), value if value is not None else self._beat_value(count))
 
     def _run(self) -> None:
         """The store thread: beats, reads its neighbour and the verdict. Any of its calls may block."""
@@ -285,8 +316,9 @@ class Heartbeat:
         while not self._pause() and self._verdict is None:
             count += 1
             now = time.monotonic()
+            beat = self._beat_value(count)
             try:
-                self._beat(count)
+                self._beat(count, beat)
                 value, verdict = client.multi_get([str(watched), _DEAD])
             except Exception as err:  # noqa: BLE001 - every failure of the store is a verdict here
                 self._store_ok = False
@@ -307,7 +339,7 @@ class Heartbeat:
             if silent <= self.timeout.total_seconds():
                 self._read_through = now  # this read found no verdict and makes none
             else:
-                round_seen = value.decode().partition(":")[2]
+                round_seen = _beat_round(value.decode(), None)
                 last = "it never sent one" if round_seen == "none" else f"its last was at round {round_seen}"
                 self._declare(
                     f"rank {watched} has not answered for {silent:.0f} s (no heartbeat: {last}; noticed by "

@@ -74,6 +74,7 @@ class RoundRunner(EngineGroups):
     _done_events: dict[int, torch.cuda.Event]
     _control: Any
     _liveness: Any
+    _liveness_engine: Optional[int]  # the engine's index in its heartbeat's engine_rounds (attach_liveness)
     # When this thread issued the current round's collectives (None outside _reduce): see _explain.
     _reduce_began: Optional[float] = None
 
@@ -347,7 +348,7 @@ class RoundRunner(EngineGroups):
         """For a wait that timed out: the ranks behind the others by their last heartbeats (each reports the
         round it has reached), or nothing (no heartbeat, none behind, or no answer within 5 s)."""
         liveness = self._liveness
-        reached = liveness.reported_rounds() if liveness is not None else {}
+        reached = liveness.reported_rounds(engine=self._liveness_engine) if liveness is not None else {}
         if not reached:
             return ""
         top = max(reached.values())

@@ -14,7 +14,7 @@ import math
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from lightning_partial.collectives.checks import check_int
 
@@ -64,15 +64,22 @@ class ButterflySchedule(Schedule):
     does not divide ``log2 P`` the last phase uses the remaining bits (P=8, S=4:
     groups of 4, then groups of 2): documented fallback, still mixing all ranks.
 
+    ``global_every=tau``: rounds ``tau-1, 2 tau-1, ...`` are global averages (the engine's ``sync_every``),
+    which take no phase: ``k`` counts the group rounds before ``r`` instead, so the phases rotate over
+    the group rounds (with ``k = r mod phases`` and a ``tau`` that divides ``phases``, the group rounds
+    would all fall on the same phases: P=4, S=2, ``tau=2`` would average in ``{0,1},{2,3}`` only).
+
     Raises ``ValueError`` when P or S is not a power of two, or S > P.
     """
 
     world_size: int
     group_size: int
+    global_every: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size)
         check_int("group_size", self.group_size)
+        check_int("global_every", self.global_every, minimum=1, optional=True)
         if not _is_power_of_two(self.world_size):
             raise ValueError(
                 f"the butterfly schedule needs a power-of-two number of ranks: world_size must be 1, 2, 4, 8, ..., "
@@ -93,7 +100,9 @@ class ButterflySchedule(Schedule):
         bits, per = int(math.log2(self.world_size)), int(math.log2(self.group_size))
         if per == 0:  # S = 1: every rank alone
             return [(i,) for i in range(self.world_size)]
-        low = (round_index % self.phases) * per
+        tau = self.global_every
+        phase = round_index if tau is None else round_index - (round_index + 1) // tau  # group rounds before it
+        low = (phase % self.phases) * per
         mask = ((1 << min(per, bits - low)) - 1) << low
         partition: dict[int, list[int]] = {}
         for i in range(self.world_size):

@@ -16,8 +16,8 @@ weighs each carried gradient by its own staleness before the round's sum;
     buffer would still hold, had it been applied on time. Applied now, it
     reproduces the on-time trajectory's effect of that gradient from this
     round on; the share ``1 - mu ** tau`` that would already have acted is
-    what the delay cost. Where every contribution of a result has the same
-    staleness (``abs_sgd``), that share is applied too, at once and outside
+    what the delay cost. Where a result is weighed as a whole (``abs_sgd``, as one step late: its pacing
+    rank's lag; a slower rank's micro-batches may be older), that share is applied too, at once and outside
     the momentum buffer (:meth:`StalenessWeights.spike`, the *spike
     compensation* of Kosson et al., *Pipelined Backpropagation at Scale*,
     2021): the update then equals the on-time one except that one plain step

@@ -306,7 +306,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             fit (persistent speeds, which its sizes follow), ``1`` otherwise. Measured
             in docs/staleness.md (abs_sgd without the delay).
         shuffle, seed: the elastic sampler's shuffling (as ``DistributedSampler``'s); a train loader
-            built with ``shuffle=False`` keeps its order.
+            built with ``shuffle=False`` keeps its order. ``seed=None`` (default): the seed of the
+            ``DistributedSampler`` it replaces, which Lightning seeds by ``seed_everything``
+            (``PL_GLOBAL_SEED``, 0 without it) as under DDP, so that a fit's seed changes its data order.
         find_unused_parameters: a parameter that no micro-batch of an optimizer step used, on any rank,
             keeps ``grad = None`` in that step (no momentum, no weight decay), as DDP's option of that
             name; its presence rides beside the gradients (one number per parameter tensor). Without it
@@ -334,7 +336,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         final_sync: float = 0.05,
         delay: Union[int, str] = "auto",
         shuffle: bool = True,
-        seed: int = 0,
+        seed: Optional[int] = None,
         find_unused_parameters: bool = False,
         **kwargs: Unpack[StrategyOptions],
     ) -> None:
@@ -364,8 +366,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                              reference_samples=1 if reference_samples == GLOBAL_BATCH else reference_samples)
         if not isinstance(shuffle, bool):
             raise ValueError(f"{self.strategy_name}: shuffle must be True or False, got {shuffle!r}")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"{self.strategy_name}: seed must be an integer, got {seed!r}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f"{self.strategy_name}: seed must be an integer or None, got {seed!r}")
         self.shuffle = shuffle
         self.seed = seed
         self._set_find_unused_parameters(find_unused_parameters)
@@ -504,7 +506,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                 rank=self.global_rank,
                 # DataLoader(shuffle=False) keeps its order, as Lightning's DistributedSampler would.
                 shuffle=self.shuffle and sampler.shuffle,
-                seed=self.seed,
+                # None: the replaced sampler's, which Lightning seeds by seed_everything, as DDP's.
+                seed=self.seed if self.seed is not None else sampler.seed,
             )
             extra: dict[str, Any] = {}
             if dataloader.num_workers > 0:

@@ -103,7 +103,7 @@ class Engine(Protocol):
 
     def fail(self, error: PartialCollectiveError) -> None: ...
 
-    def attach_liveness(self, liveness: Any) -> None: ...
+    def attach_liveness(self, liveness: Any, *, engine: Optional[int] = None) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -406,12 +406,14 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             progress=lambda: max(e.round_reached for e in engines),
             exit_grace=_EXIT_GRACE,
             name=f"{self.strategy_name}-heartbeat",
-            # One engine's rounds: a timed-out round may name the ranks behind (several optimizers may step
-            # at different rates, and a beat carries the largest round of any).
+            # One engine's rounds: a timed-out round may name the ranks behind by the progress. Several
+            # optimizers may step at different rates (the progress is the largest round of any): each engine's
+            # round rides in the beats too, and a timed-out round compares its own engine's.
             rounds_comparable=len(engines) == 1,
+            engine_rounds=(lambda: [e.round_reached for e in engines]) if len(engines) > 1 else None,
         ).start()
-        for engine in engines:
-            engine.attach_liveness(self._heartbeat)
+        for index, engine in enumerate(engines):
+            engine.attach_liveness(self._heartbeat, engine=index if len(engines) > 1 else None)
 
     def _first_round_without_state(self, trainer: "pl.Trainer") -> int:
         """The first round of an engine that starts without a checkpoint's state: 0 (a subclass whose rounds

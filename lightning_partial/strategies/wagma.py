@@ -2,7 +2,8 @@
 
 See docs/algorithms.md. Each step: a local SGD step, then the average of the
 model within the round's butterfly group of size S (phases rotating every
-round, so ``log_S P`` consecutive rounds mix every rank into every other),
+group round, global rounds taking none, so ``log_S P`` consecutive group rounds
+mix every rank into every other),
 activated by the first rank to arrive; a global average every ``tau`` rounds
 and at the end of fit. The contract is :mod:`lightning_partial.strategies.model_averaging`'s.
 
@@ -76,11 +77,12 @@ class WAGMAStrategy(ModelAveragingStrategy):
             raise ValueError(f"group_size must be a power of two >= 1, got {group_size!r}")
         if group_size is not None and kwargs.get("schedule") is not None:
             raise ValueError("wagma_sgd: group_size and schedule both given: a schedule fixes its own groups "
-                             "(ButterflySchedule(world_size=P, group_size=S)); pass one of them")
+                             "(ButterflySchedule(world_size=P, group_size=S, global_every=tau)); pass one of them")
         self.group_size = group_size
         super().__init__(global_every=global_every, max_staleness=max_staleness, **kwargs)
 
     @override
     def default_schedule(self, world_size: int) -> Schedule:
         size = self.group_size if self.group_size is not None else default_group_size(world_size)
-        return ButterflySchedule(world_size=world_size, group_size=size)
+        # The phases rotate over the group rounds, skipping the global ones (see ButterflySchedule).
+        return ButterflySchedule(world_size=world_size, group_size=size, global_every=self.global_every)
