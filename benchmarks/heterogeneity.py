@@ -331,7 +331,7 @@ def run_worker(args: argparse.Namespace) -> int:
         "t_end": t_end,
         "samples": sum(s for _, _, s in model.trace),
         "batches": len(model.trace),
-        "trace": [(round(t - clock.t_start, 4), round(x, 5)) for t, x, _ in model.trace],
+        "trace": [(round(t - clock.t_start, 4), round(x, 5), n) for t, x, n in model.trace],  # time, loss, samples
         "global_step": trainer.global_step,
         "rounds": len(clock.rounds) if args.run == "abs_sgd" else None,
         # abs_sgd: this rank's trained samples per lag, in optimizer steps, at which they were applied.
@@ -349,11 +349,17 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def smoothed(trace: list[list[float]], window: int = WINDOW) -> list[tuple[float, float]]:
-    """``(time, mean of the last window losses)`` at every batch from the ``window``-th on."""
+def smoothed(trace: list[list[float]], window: int) -> list[tuple[float, float]]:
+    """``(time, mean loss per sample over the last batches that hold at least window samples)`` at every batch
+    from the first such one on (``trace``: ``(time, loss, samples)`` per batch, each loss a batch mean)."""
     out = []
-    for i in range(window - 1, len(trace)):
-        out.append((trace[i][0], sum(x for _, x in trace[i - window + 1 : i + 1]) / window))
+    for i in range(len(trace)):
+        samples = loss = 0.0
+        for _, x, n in reversed(trace[: i + 1]):
+            samples, loss = samples + n, loss + x * n
+            if samples >= window:
+                out.append((trace[i][0], loss / samples))
+                break
     return out
 
 
@@ -389,11 +395,11 @@ def micro_batch(args: argparse.Namespace, name: str) -> int:
     return args.abs_batch_size if name == "abs_sgd" and args.abs_batch_size is not None else args.batch_size
 
 
-def loss_window(args: argparse.Namespace, name: str) -> int:
-    """Batches averaged for rank 0's loss curve: ``WINDOW`` batches of ``--batch-size`` samples, for every
-    configuration (a smaller micro-batch is averaged over more batches: a noisier curve would otherwise
-    reach a loss earlier)."""
-    return max(1, round(WINDOW * args.batch_size / micro_batch(args, name)))
+def loss_window(args: argparse.Namespace) -> int:
+    """Samples averaged for rank 0's loss curve: ``WINDOW`` batches of ``--batch-size``, the same in every
+    configuration (abs_sgd's micro-batches, smaller with ``--abs-batch-size`` or sized by ``AdaptiveBatchSize``,
+    are averaged over as many samples: a noisier curve would otherwise reach a loss earlier)."""
+    return WINDOW * args.batch_size
 
 
 def concurrent_speed(ranks: list[dict[str, Any]]) -> float:
@@ -410,10 +416,7 @@ def concurrent_speed(ranks: list[dict[str, Any]]) -> float:
     t1 = min(r["t_start"] + r["trace"][-1][0] for r in ranks)
     if t1 <= t0:
         raise ValueError(f"no interval in which every rank trained (from {t0:.3f} to {t1:.3f})")
-    total = 0.0
-    for r in ranks:
-        per_batch = r["samples"] / max(r["batches"], 1)
-        total += per_batch * sum(1 for t, _ in r["trace"] if t0 <= r["t_start"] + t < t1)
+    total = sum(n for r in ranks for t, _, n in r["trace"] if t0 <= r["t_start"] + t < t1)
     return total / (t1 - t0)
 
 
@@ -463,7 +466,7 @@ def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
         own_intervals = own_interval_speed(ranks)
     else:
         samples_per_s = own_intervals = sum(r["samples"] for r in ranks) / wall
-    curve = smoothed(ranks[0]["trace"], loss_window(args, name))
+    curve = smoothed(ranks[0]["trace"], loss_window(args))
     return {
         "wall_s": wall,
         "samples": [r["samples"] for r in ranks],
@@ -607,7 +610,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     if report["results"]["ddp"]["final_loss"] is not None:
         b.axhline(report["results"]["ddp"]["final_loss"], color="#888", linestyle=":")
     b.set_xlabel("seconds")
-    b.set_ylabel(f"rank 0 training loss (mean of {WINDOW} batches)")
+    b.set_ylabel(f"rank 0 training loss (mean over {WINDOW} batches' samples)")
     b.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def _rank(t_start: float, step_times: list[float], *, batch: int, t_end: float) -> dict:
     return {"t_start": t_start, "t_end": t_end, "samples": batch * len(step_times), "batches": len(step_times),
-            "trace": [(t - t_start, 1.0) for t in step_times]}
+            "trace": [(t - t_start, 1.0, batch) for t in step_times]}
 
 
 def test_the_bound_counts_only_the_window_in_which_every_rank_trains():
@@ -196,10 +196,12 @@ def test_abs_sgd_runs_at_the_strategy_defaults_unless_told_and_bad_sample_option
 
 def test_the_loss_curve_averages_the_same_samples_in_every_configuration():
     args = heterogeneity.build_parser().parse_args(["--abs-batch-size", "64"])
-    assert heterogeneity.loss_window(args, "ddp") == heterogeneity.WINDOW
-    assert heterogeneity.loss_window(args, "abs_sgd") == 2 * heterogeneity.WINDOW
-    trace = [(float(i), float(i)) for i in range(5)]
-    assert heterogeneity.smoothed(trace, 2) == [(1.0, 0.5), (2.0, 1.5), (3.0, 2.5), (4.0, 3.5)]
+    assert heterogeneity.loss_window(args) == heterogeneity.WINDOW * 128
+    trace = [(float(i), float(i), 8) for i in range(5)]  # equal batches: the mean of the last two
+    assert heterogeneity.smoothed(trace, 16) == [(1.0, 0.5), (2.0, 1.5), (3.0, 2.5), (4.0, 3.5)]
+    # Batches of varying size (AdaptiveBatchSize): as many samples, each loss weighted by its batch's samples.
+    varying = [(0.0, 4.0, 8), (1.0, 1.0, 4), (2.0, 2.0, 4), (3.0, 0.0, 12)]
+    assert heterogeneity.smoothed(varying, 16) == [(2.0, (32 + 4 + 8) / 16), (3.0, (0 + 8) / 16)]
 
 
 def test_step_lags_pool_the_repeats_per_rank_and_share_the_samples_by_lag():
