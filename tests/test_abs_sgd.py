@@ -18,7 +18,7 @@ from lightning_partial.strategies.accumulation import ACCUMULATED_KEY
 from lightning_partial.strategies.prediction import LAST_UPDATE_KEY
 from lightning_partial.strategies.step_lag import StepLag
 from lightning_partial.strategies.checkpoint import CHECKPOINT_KEY
-from tests.test_eager_sgd import (FIT_ENV, assert_identical, assert_stopped_alike, fit_command,
+from tests.test_eager_sgd import (FIT_ENV, assert_identical, assert_stopped_alike, fit_command, fit_identical,
                                   signal_rank_when_running, start_fit)
 
 
@@ -634,6 +634,22 @@ def test_ranks_whose_datasets_differ_in_length_fail_at_the_start_naming_them(tmp
 
 
 @pytest.mark.timeout(300)
+def test_ranks_seeded_differently_fail_at_the_start_naming_their_seeds(tmp_path):
+    """The ranks draw their batches from one permutation per epoch: ranks seeded differently (a per-rank
+    seed_everything, which the sampler's default seed follows) would train some samples twice and others never,
+    so the fit fails at its start, on every rank, naming the seeds; an explicit seed= makes the orders agree."""
+    proc = forkrun.run(
+        fit_command(tmp_path / "run", "--strategy", "abs_sgd", "--rank-seed", "--steps", "4", launch="fork"),
+        env=FIT_ENV, timeout=240,
+    )
+    assert proc.returncode != 0
+    assert ("the ranks' samplers would draw different orders (rank 0: seed 1, rank 1: seed 2, rank 2: seed 3, "
+            "rank 3: seed 4)") in proc.stderr, proc.stderr[-4000:]
+    fit_identical(tmp_path / "fixed", "--strategy", "abs_sgd", "--rank-seed", "--steps", "4",
+                  "--strategy-kw", json.dumps({"seed": 5}))
+
+
+@pytest.mark.timeout(300)
 def test_reloaded_loaders_keep_the_adapted_sizes(tmp_path):
     """``reload_dataloaders_every_n_epochs=1`` with AdaptiveBatchSize (AdamW, split rounds): the loader built for
     the second epoch keeps the sizes the callback set (a fresh sampler at the loader's 16 with the count still
@@ -814,8 +830,6 @@ def test_unused_parameters_stay_untouched_with_find_unused_parameters(tmp_path, 
     layer no rank uses keeps its initial weights (its grad stays None in every step, so neither moves it), a
     layer only rank 0 uses on odd batches is trained, and the replicas end bit-identical under persistent
     heterogeneity. Without the option a missing gradient counts as zeros: decay moves the unused layer."""
-    from tests.test_eager_sgd import fit_identical
-
     kw = {"delay": 1, "find_unused_parameters": unused}
     records = fit_identical(tmp_path / "run", "--strategy", "abs_sgd", "--strategy-kw", json.dumps(kw), "--unused",
                             "--speed", "1,1,0.5,0.25", "--momentum", "0.9", "--weight-decay", "0.01", "--steps", "60")

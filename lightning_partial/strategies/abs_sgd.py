@@ -532,12 +532,17 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     def _agree_loaders(self) -> tuple[int, ...]:
         """Every rank, main thread, collective group, once per fit: every rank's loader batch size.
 
-        One all_gather of ``(batch size, epoch samples)``. The epoch (the dataset's length) must be the same
-        on every rank: the ranks end their epochs, and start the synchronous finish, at the same round only
-        if they count to the same global samples. Raises a ``ValueError`` naming the ranks' lengths if not.
+        One all_gather of ``(batch size, epoch samples, shuffle, seed)``. The epoch (the dataset's length) must
+        be the same on every rank: the ranks end their epochs, and start the synchronous finish, at the same
+        round only if they count to the same global samples. So must the order: the ranks draw their batches
+        from one permutation of the dataset, which ranks seeded differently (``seed_everything(seed + rank)``,
+        which ``seed=None`` follows) would not share, training some samples twice and others never (DDP's
+        sampler does that silently). Raises a ``ValueError`` naming the ranks' values if either differs.
         """
         assert self.sampler is not None
-        mine = torch.tensor([self.sampler.batch_size, self.sampler.num_samples], dtype=torch.int64)
+        sampler = self.sampler
+        mine = torch.tensor([sampler.batch_size, sampler.num_samples, int(sampler.shuffle),
+                             sampler.seed % (1 << 62) if sampler.shuffle else 0], dtype=torch.int64)
         rows = [mine]
         if self.world_size > 1:
             rows = [torch.zeros_like(mine) for _ in range(self.world_size)]
@@ -550,6 +555,15 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             raise ValueError(
                 f"abs_sgd: the ranks' train datasets differ in length ({each} samples): an epoch must be the "
                 "same global samples on every rank"
+            )
+        orders = [(bool(r[2]), int(r[3])) for r in rows]
+        if len(set(orders)) > 1:
+            each = ", ".join(f"rank {i}: " + (f"seed {seed}" if shuffle else "no shuffle")
+                             for i, (shuffle, seed) in enumerate(orders))
+            raise ValueError(
+                f"abs_sgd: the ranks' samplers would draw different orders ({each}): the ranks share one "
+                "permutation of the dataset per epoch. Seed every rank alike (seed_everything(s) on every "
+                "rank) or pass ABSSGDStrategy(seed=...)"
             )
         return tuple(int(r[0]) for r in rows)
 

@@ -303,6 +303,8 @@ def main() -> None:
                         help="one loader batch size per rank, e.g. 16,16,8,8 (default: 16 on every rank)")
     parser.add_argument("--rank-dataset-sizes", default=None,
                         help="one train dataset length per rank (the first N samples), e.g. 2048,2048,2048,1024")
+    parser.add_argument("--rank-seed", action="store_true",
+                        help="each rank calls seed_everything(rank + 1) in its setup (a per-rank seed)")
     parser.add_argument("--reload-dataloaders", action="store_true",
                         help="Trainer(reload_dataloaders_every_n_epochs=1)")
     add_launch_option(parser)
@@ -336,6 +338,9 @@ def main() -> None:
             torch.utils.data.Subset(dataset, range(lengths[model.global_rank])),
             batch_size=sizes[model.global_rank], shuffle=True)
         loader = None
+    if args.rank_seed:
+        # Lightning calls setup on every rank before it builds the train loader's sampler (seeded by PL_GLOBAL_SEED).
+        model.setup = lambda stage: L.seed_everything(model.global_rank + 1, verbose=False)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.step_scheduler = args.step_scheduler
     model.momentum = args.momentum
