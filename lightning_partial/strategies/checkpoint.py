@@ -74,6 +74,7 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 
 from lightning_partial.collectives.errors import naming_failure
+from lightning_partial.strategies.accumulation import ACCUMULATED_KEY
 
 log = logging.getLogger(__name__)
 
@@ -300,7 +301,8 @@ def drop_engine_state(src: _PATH, dst: _PATH) -> int:
     (see :func:`resume_entry`): the weights, optimizer and loop state are kept, the
     engines start afresh (their rounds numbered on from the fit's step, a round per step or per ``average_every``)
     and the pending gradients are lost (with
-    ``eager_sgd``'s ``overlap``, the round results saved unapplied too). ``src`` is
+    ``eager_sgd``'s ``overlap``, the round results saved unapplied too; with ``abs_sgd``, the rounds it had
+    summed towards its next step, one set per optimizer that had any). ``src`` is
     not modified; ``dst`` is written atomically (:func:`save_atomically`).
     """
     if Path(src).resolve() == Path(dst).resolve():
@@ -311,6 +313,11 @@ def drop_engine_state(src: _PATH, dst: _PATH) -> int:
     checkpoint.pop(LAYOUT_KEY, None)  # what shaped the engine state dropped here
     in_flight = checkpoint.pop(IN_FLIGHT_KEY, None)  # eager_sgd overlap: a result per optimizer, not yet applied
     dropped += len(in_flight) if isinstance(in_flight, dict) else 0
+    # abs_sgd: completed rounds summed towards the next optimizer step. Kept, another family would ignore them
+    # without a word, and abs_sgd would add them to rounds its fresh engines number anew.
+    accumulated = checkpoint.pop(ACCUMULATED_KEY, None)
+    if isinstance(accumulated, dict):
+        dropped += sum(1 for s in accumulated.values() if isinstance(s, dict) and s.get("samples"))
     save_atomically(checkpoint, dst)
     log.warning("%s: engine state dropped (%d pending set(s)); written to %s", src, dropped, dst)
     return dropped
