@@ -650,6 +650,25 @@ def test_ranks_seeded_differently_fail_at_the_start_naming_their_seeds(tmp_path)
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("sigterm, speed", [("0:1", "1,1,0.5,0.25"), ("1:1", "1,1,1,1"), (None, "1,1,0.5,0.25")],
+                         ids=["sigterm-in-the-last-batch", "sigterm-equal-speeds", "early-stopping-alone"])
+def test_early_stopping_with_a_sigterm_near_the_epoch_end_ends_every_rank_alike(tmp_path, sigterm, speed):
+    """EarlyStopping ends the fit at an epoch end; a SIGTERM in a rank's last batch of that epoch makes a stop
+    round that some ranks applied in their last batch (and would stop at a batch start that never comes) and
+    others not, or none (in flight). Each rank chose its end of fit by its own ``_stopped``: one rank's quiesce
+    met another's stop-path barrier (``Connection closed by peer``), or ``finish()`` refused a round taken
+    after the stop. Every rank now hands the rounds up to the stop round alike: rc 0, identical replicas."""
+    options = ["--strategy", "abs_sgd", "--max-epochs", "3", "--early-stop", "1", "--speed", speed,
+               "--step-scheduler", "--momentum", "0.9"]
+    records = fit_identical(tmp_path / "run", *options, *(["--sigterm-last", sigterm] if sigterm else []))
+    # A round past the epoch end that one rank applied in its last batch is applied by the others at the end as
+    # in a batch (counted, schedulers stepped): the same step and learning rate everywhere (before: 68, 68, 68,
+    # 69 and the last rank's rate halved once more, in one of three runs without a SIGTERM).
+    assert len({r["global_step"] for r in records}) == 1, [r["global_step"] for r in records]
+    assert all(r["lr"] == records[0]["lr"] for r in records), [r["lr"] for r in records]
+
+
+@pytest.mark.timeout(300)
 def test_reloaded_loaders_keep_the_adapted_sizes(tmp_path):
     """``reload_dataloaders_every_n_epochs=1`` with AdaptiveBatchSize (AdamW, split rounds): the loader built for
     the second epoch keeps the sizes the callback set (a fresh sampler at the loader's 16 with the count still

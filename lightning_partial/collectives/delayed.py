@@ -543,6 +543,19 @@ class DelayedAllreduce(PartialAllreduce):
             done, round_index, f"round {round_index} did not complete while draining (is a rank dead or stalled?)"
         )
 
+    def results_through_stop(self) -> list[RoundResult]:
+        """After :meth:`pause` and :meth:`drain` of the agreed last round: if a round that carried a stop has
+        completed, every result not handed yet up to it, in order; else nothing.
+
+        Each rank applies the rounds in batches of its own, so at the end of a fit (a ``should_stop`` at an
+        epoch end) one rank may have applied the stop round and another not, or none of them (it was in
+        flight). After the drain every rank has published the same rounds, the stop round among them if
+        there is one: handing the rest up to it leaves every rank at the stop, with no round after it.
+        """
+        with self._cond:
+            stop = self._stop_round
+        return [] if stop is None else self._take_due(limit=stop)
+
     def finish(self, round_index: int) -> list[RoundResult]:
         """The final synchronous round ``round_index + 1``; returns every result not yet handed, in order.
 

@@ -957,12 +957,19 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     def _final_round(self, index: int, engine: DelayedAllreduce) -> RoundStats:
         """Agreed last round, the final synchronous round, and every result not yet applied."""
         last = self._last_rounds[index]
-        results = engine.finish(last)
+        *due, flush = engine.finish(last)
         optimizer = self.optimizers[index]
-        # After the loop: Lightning's schedulers are done (every rank skips the same final rounds).
-        self._apply(index, optimizer, results, final=True)
+        if due:
+            # Rounds up to the agreed last one that this rank had not applied: where a should_stop ended the
+            # fit at an epoch end (EarlyStopping) some ranks applied them in their last batch, counted and with
+            # the schedulers stepped; so here, that every rank ends at the same step and learning rate. (At a
+            # fit's own end every rank applied the final round's predecessors in its batches: none are due.)
+            self._apply(index, optimizer, due)
+            self._pending_saves.clear()  # their step saves: after the last batch's boundary, taken on no rank
+        # The final round: Lightning's loop is done; its step is counted on no rank.
+        self._apply(index, optimizer, [flush], final=True)
         optimizer.zero_grad()
-        return results[-1].stats
+        return flush.stats
 
     @override
     def _finish_at(self, stats: RoundStats) -> None:
@@ -1005,13 +1012,27 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
 
     @override
     def on_train_end(self) -> None:
-        if not self._stopped and self._engines:
+        """Every rank alike, stopped or not: the saves every rank has reached, the quiesce, then, where a round
+        that carried a stop has completed, the results up to it (the stop path for every rank), else the final
+        round (``PartialStrategy.on_train_end``).
+
+        A rank applies the stop round in a batch of its own and stops at its next batch start
+        (``_stop_now``); a ``should_stop`` at an epoch end (``EarlyStopping``) can end the fit before that
+        batch start comes on some ranks, or with the stop round still in flight on all of them. Branching on
+        each rank's own ``_stopped`` here paired one rank's quiesce with another's stop-path collectives.
+        """
+        if self._engines:
             # Before the quiesce, the saves of the rounds every rank has applied: those before the last batch's
             # boundary (the fit's last round; or the epoch's, where a should_stop ended the fit there, and a
             # rank may have applied that round and another not). Later ones are taken on no rank.
             self._run_pending_saves(before=self._end_boundary)
             self._pending_saves.clear()
             self._last_rounds = self._quiesce()
+            for index, engine in self._engines.items():
+                through_stop = engine.results_through_stop()
+                if through_stop:  # the same rounds' results on every rank that had not applied them yet
+                    self._apply(index, self.optimizers[index], through_stop)
+            self._pending_saves.clear()  # queued by those rounds: after the boundary, taken on no rank
         _compat.restore_scheduler_stepping(self._trainer)
         super().on_train_end()
 

@@ -52,7 +52,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import BaseFinetuning
+from lightning.pytorch.callbacks import BaseFinetuning, EarlyStopping
 from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader, TensorDataset
@@ -79,6 +79,8 @@ class Regressor(L.LightningModule):
         self.sleep_at: tuple[int, int, float] | None = None  # (batch, rank, seconds)
         self.sigterm_at: tuple[int, int] | None = None  # (batch, rank)
         self.exit_at: tuple[int, int] | None = None  # (batch, rank)
+        self.sigterm_last: tuple[int, int] | None = None  # (rank, epoch): SIGTERM in that epoch's last batch
+        self.log_epoch = False  # logs "ep" (the epoch) for --early-stop's EarlyStopping
         self.validated_at: list[int] = []  # the global step of each validation (not the sanity check)
 
     def validation_step(self, batch, batch_idx):
@@ -96,6 +98,11 @@ class Regressor(L.LightningModule):
             os.kill(os.getpid(), signal.SIGTERM)  # before this step's round is submitted
         if self.exit_at is not None and (batch_idx, self.global_rank) == self.exit_at:
             sys.exit(0)  # user code ending its process "successfully" mid-fit
+        if (self.sigterm_last is not None and (self.global_rank, self.current_epoch) == self.sigterm_last
+                and self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch):
+            os.kill(os.getpid(), signal.SIGTERM)  # in this rank's last batch of the epoch
+        if self.log_epoch:
+            self.log("ep", float(self.current_epoch))
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         if self.rank0_only is not None and self.global_rank == 0 and batch_idx % 2:
@@ -303,6 +310,10 @@ def main() -> None:
                         help="one loader batch size per rank, e.g. 16,16,8,8 (default: 16 on every rank)")
     parser.add_argument("--rank-dataset-sizes", default=None,
                         help="one train dataset length per rank (the first N samples), e.g. 2048,2048,2048,1024")
+    parser.add_argument("--early-stop", type=int, default=None,
+                        help="an EarlyStopping (on the logged epoch) that ends the fit at this epoch's end")
+    parser.add_argument("--sigterm-last", default=None, help="RANK:EPOCH: that rank sends itself SIGTERM in its "
+                                                               "last batch of that epoch")
     parser.add_argument("--rank-seed", action="store_true",
                         help="each rank calls seed_everything(rank + 1) in its setup (a per-rank seed)")
     parser.add_argument("--reload-dataloaders", action="store_true",
@@ -396,8 +407,17 @@ def main() -> None:
         time_checkpoints = ModelCheckpoint(dirpath=args.out / "ckpt_time", save_top_k=-1,
                                            train_time_interval=timedelta(seconds=args.checkpoint_seconds))
     unfreeze = UnfreezeAt(args.unfreeze_at) if args.unfreeze_at is not None else None
+    early_stop = None
+    if args.early_stop is not None:
+        # Each rank decides at its own epoch end, on the same logged value: all stop after that epoch.
+        model.log_epoch = True
+        early_stop = EarlyStopping(monitor="ep", mode="max", stopping_threshold=args.early_stop - 0.5,
+                                   check_on_train_epoch_end=True, verbose=False)
+    if args.sigterm_last is not None:
+        rank, epoch = (int(v) for v in args.sigterm_last.split(":"))
+        model.sigterm_last = (rank, epoch)
     callbacks = [c for c in (probe, imbalance, tracker, rotation, saver, adaptive, epochs, rounds, checkpoints,
-                             time_checkpoints, unfreeze) if c is not None]
+                             time_checkpoints, unfreeze, early_stop) if c is not None]
 
     def write_stopped(trainer: L.Trainer) -> None:
         # Every rank is expected to stop at the same step: the test compares the markers.
