@@ -508,6 +508,12 @@ class DelayedAllreduce(PartialAllreduce):
         with self._cond:
             return self._snapshotted
 
+    def handed_round(self) -> int:
+        """The last round whose result this rank's caller was handed (-1 before any; a resumed fit's restored
+        results count as not handed until a deposit hands them)."""
+        with self._cond:
+            return self._restored[0].round_index - 1 if self._restored else self._handed
+
     def known_round(self) -> int:
         """The last round activated as far as this rank can tell (after every rank paused)."""
         assert self._control is not None

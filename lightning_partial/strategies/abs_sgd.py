@@ -36,7 +36,9 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   right after it (``frequency`` counts steps), not once per batch as
   Lightning would: every rank then uses the same learning rate for the same
   round (ranks run different numbers of batches). The final round's results
-  at the end of fit step none. ``interval="epoch"`` and
+  at the end of fit step none (but the rounds another rank applied in a
+  batch, where a ``should_stop`` ended the fit at an epoch end: those step
+  them, as in that batch). ``interval="epoch"`` and
   plateau schedulers keep Lightning's handling.
 * **Data.** The train loader's ``DistributedSampler`` (injected by Lightning,
   ``use_distributed_sampler=True``) is replaced by an
@@ -389,6 +391,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self._epoch_samples: Optional[int] = None
         self._batch_samples = 0
         self._last_rounds: dict[int, int] = {}  # agreed at the end of fit
+        self._handed_rounds: dict[int, int] = {}  # the largest round any rank was handed: agreed with them
         # The save boundary of the latest batch that ended an epoch or the fit (see on_train_end).
         self._end_boundary: Optional[int] = None
         # The ModelCheckpoint(every_n_train_steps=n) callbacks this strategy triggers.
@@ -542,7 +545,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         assert self.sampler is not None
         sampler = self.sampler
         mine = torch.tensor([sampler.batch_size, sampler.num_samples, int(sampler.shuffle),
-                             sampler.seed % (1 << 62) if sampler.shuffle else 0], dtype=torch.int64)
+                             sampler.seed % (1 << 63) if sampler.shuffle else 0], dtype=torch.int64)
         rows = [mine]
         if self.world_size > 1:
             rows = [torch.zeros_like(mine) for _ in range(self.world_size)]
@@ -937,18 +940,22 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         """Every rank, main thread, collective group: no round in flight afterwards; returns the last round per engine.
 
         Each engine stops activating rounds; a barrier makes that hold on every
-        rank; the last activated round is agreed (one MAX allreduce) and waited for.
+        rank; the last activated round is agreed (one MAX allreduce, which also agrees on the
+        last round any rank was handed: ``_handed_rounds``) and waited for.
         """
         for engine in self._engines.values():
             engine.pause()
         self.barrier("abs_sgd quiesce")
         indices = sorted(self._engines)
-        known = torch.tensor([self._engines[i].known_round() for i in indices], dtype=torch.int64)
+        known = torch.tensor([self._engines[i].known_round() for i in indices]
+                             + [self._engines[i].handed_round() for i in indices], dtype=torch.int64)
         if self.world_size > 1:
             # On the host, on the collective group: never a default-group NCCL collective (partial.py).
             with self._naming_failure("abs_sgd's quiesce (agreeing on the round in flight)"):
                 dist.all_reduce(known, op=dist.ReduceOp.MAX, group=self.collective_group)
-        last = {i: int(r) for i, r in zip(indices, known.cpu().tolist())}
+        rounds = known.cpu().tolist()
+        last = {i: int(r) for i, r in zip(indices, rounds)}
+        self._handed_rounds = {i: int(r) for i, r in zip(indices, rounds[len(indices):])}
         for i in indices:
             self._engines[i].drain(last[i])
         return last
@@ -957,19 +964,20 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     def _final_round(self, index: int, engine: DelayedAllreduce) -> RoundStats:
         """Agreed last round, the final synchronous round, and every result not yet applied."""
         last = self._last_rounds[index]
-        *due, flush = engine.finish(last)
+        results = engine.finish(last)
         optimizer = self.optimizers[index]
-        if due:
-            # Rounds up to the agreed last one that this rank had not applied: where a should_stop ended the
-            # fit at an epoch end (EarlyStopping) some ranks applied them in their last batch, counted and with
-            # the schedulers stepped; so here, that every rank ends at the same step and learning rate. (At a
-            # fit's own end every rank applied the final round's predecessors in its batches: none are due.)
-            self._apply(index, optimizer, due)
+        # Rounds that another rank was handed in a batch (where a should_stop ended the fit at an epoch end,
+        # EarlyStopping, some ranks applied rounds past it in their last batch): applied here as there, counted
+        # and with the schedulers stepped, that every rank ends at the same step and learning rate. The rest
+        # (the rounds no rank was handed, the final flush) as before: after the loop, counted on no rank.
+        handed = self._handed_rounds.get(index, -1)
+        in_batches = [r for r in results[:-1] if r.stats.round_index <= handed]
+        if in_batches:
+            self._apply(index, optimizer, in_batches)
             self._pending_saves.clear()  # their step saves: after the last batch's boundary, taken on no rank
-        # The final round: Lightning's loop is done; its step is counted on no rank.
-        self._apply(index, optimizer, [flush], final=True)
+        self._apply(index, optimizer, results[len(in_batches):], final=True)
         optimizer.zero_grad()
-        return flush.stats
+        return results[-1].stats
 
     @override
     def _finish_at(self, stats: RoundStats) -> None:

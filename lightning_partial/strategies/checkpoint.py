@@ -314,10 +314,13 @@ def drop_engine_state(src: _PATH, dst: _PATH) -> int:
     in_flight = checkpoint.pop(IN_FLIGHT_KEY, None)  # eager_sgd overlap: a result per optimizer, not yet applied
     dropped += len(in_flight) if isinstance(in_flight, dict) else 0
     # abs_sgd: completed rounds summed towards the next optimizer step. Kept, another family would ignore them
-    # without a word, and abs_sgd would add them to rounds its fresh engines number anew.
-    accumulated = checkpoint.pop(ACCUMULATED_KEY, None)
+    # without a word, and abs_sgd would add them to rounds its fresh engines number anew. The step count stays:
+    # a fit's, not the engine's (it phases the schedulers' frequency).
+    accumulated = checkpoint.get(ACCUMULATED_KEY)
     if isinstance(accumulated, dict):
         dropped += sum(1 for s in accumulated.values() if isinstance(s, dict) and s.get("samples"))
+        checkpoint[ACCUMULATED_KEY] = {i: {"sum": None, "samples": 0, "rounds": 0, "steps": s.get("steps", 0)}
+                                       for i, s in accumulated.items() if isinstance(s, dict)}
     save_atomically(checkpoint, dst)
     log.warning("%s: engine state dropped (%d pending set(s)); written to %s", src, dropped, dst)
     return dropped
