@@ -66,7 +66,8 @@ class PartialAllreduceConfig(EngineBounds):
         late: what happens to a gradient that arrives after its round was
             activated. ``"carry"`` (default): it stays in the send buffer and is
             contributed to the next round this rank takes part in (stale by >= 1),
-            so nothing computed is lost. ``"drop"``: it is discarded and counted
+            so nothing computed is lost (but what ``staleness`` withholds of it, counted
+            as ``discounted``). ``"drop"``: it is discarded and counted
             in the round statistics (the reference code's behaviour).
         normalize: ``"world"`` divides the sum by ``P`` (the paper), ``"contributors"``
             by the number of gradients summed in the round (zero if none),

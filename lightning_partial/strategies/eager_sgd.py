@@ -31,7 +31,8 @@ Specific to eager-SGD:
   returned ``None``.
 * End of fit (main thread): ``flush()`` runs the final synchronous round on
   every engine; its result (carried gradients) is applied with one more
-  optimizer step, so nothing computed is lost and all replicas end identical.
+  optimizer step, so nothing computed is lost (but the share of a late gradient that the staleness rule
+  withholds, counted as ``discounted``) and all replicas end identical.
 * Checkpoints carry each engine's round counter, initiator RNG and pending
   carried gradients, so no computed gradient is lost across a resume.
 """
