@@ -226,6 +226,23 @@ def epoch_end_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.timeout(300)
+def test_a_resume_without_engine_state_counts_its_epochs_on_from_the_checkpoints(tmp_path, epoch_end_checkpoint):
+    """drop_engine_state's copy of an epoch-end checkpoint: the engine starts with the epochs before it counted
+    in global samples (``epoch * epoch_samples``), so the resumed epoch holds one epoch's samples; from 0 it ran
+    until twice an epoch's (4,096 of 2,048 summed over the ranks, and a third more optimizer steps)."""
+    from lightning_partial.strategies.checkpoint import drop_engine_state
+
+    first = epoch_end_checkpoint(None)
+    dropped = tmp_path / "dropped.ckpt"
+    drop_engine_state(first / "mid.ckpt", dropped)
+    records = run_fit(tmp_path / "second", "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--resume", str(dropped))
+    assert_identical(tmp_path / "second")
+    assert all(len(r["epoch_samples"]) == 1 for r in records), [r["epoch_samples"] for r in records]
+    resumed_epoch = sum(r["epoch_samples"][0] for r in records)
+    assert 2048 <= resumed_epoch < 2048 + 4 * 128, resumed_epoch  # one epoch, give or take the last rounds
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("final_sync, resume_delay", [(None, None), (0.7, None), (None, 0)],
                          ids=["default", "final_sync", "resumed_without_the_delay"])
 def test_resume_from_an_epoch_end_checkpoint(tmp_path, epoch_end_checkpoint, final_sync, resume_delay):

@@ -508,6 +508,16 @@ class DelayedAllreduce(PartialAllreduce):
         with self._cond:
             return self._snapshotted
 
+    def begin_with_samples(self, global_samples: int) -> None:
+        """Before :meth:`start`, instead of :meth:`load_state_dict`: the global samples already trained (a fit
+        resumed without engine state at an epoch's start: ``epoch * epoch_samples``), from which the epochs and
+        the synchronous finish are counted. Every rank gives the same number."""
+        if self._state != "new":
+            raise RuntimeError(f"rank {self.rank}: begin_with_samples() must come before start()")
+        if isinstance(global_samples, bool) or not isinstance(global_samples, int) or global_samples < 0:
+            raise ValueError(f"rank {self.rank}: begin_with_samples() takes a count >= 0, got {global_samples!r}")
+        self._global_samples = global_samples
+
     def handed_round(self) -> int:
         """The last round whose result this rank's caller was handed (-1 before any; a resumed fit's restored
         results count as not handed until a deposit hands them)."""

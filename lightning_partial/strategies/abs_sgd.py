@@ -961,6 +961,17 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         return last
 
     @override
+    def _begin_without_state(self, engine: DelayedAllreduce, trainer: "pl.Trainer") -> None:
+        """A fit resumed without engine state (``drop_engine_state``'s copy, a DDP checkpoint) at epoch ``e``:
+        the epochs before it trained ``e`` epochs of global samples, from which the engine counts the epochs and
+        the finish (from 0, the resumed epoch ran until twice an epoch's samples). Exact from an epoch-end
+        checkpoint; from one saved within an epoch, that epoch's samples trained before the save are trained
+        again. The rounds start at 0: ``max_steps``, which counts rounds here, counts afresh."""
+        super()._begin_without_state(engine, trainer)
+        if trainer.current_epoch > 0 and self._epoch_samples:
+            engine.begin_with_samples(trainer.current_epoch * self._epoch_samples)
+
+    @override
     def _final_round(self, index: int, engine: DelayedAllreduce) -> RoundStats:
         """Agreed last round, the final synchronous round, and every result not yet applied."""
         last = self._last_rounds[index]

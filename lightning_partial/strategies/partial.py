@@ -360,8 +360,8 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
             engine = self._build_engine(index, params, self._store)
             if state is not None:
                 engine.load_state_dict(state)
-            elif self._first_round > 0:
-                engine.begin_at(self._first_round)
+            else:
+                self._begin_without_state(engine, trainer)
             engine.start()
             self._engines[index] = engine
             self._params[index] = params
@@ -419,6 +419,12 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         """The first round of an engine that starts without a checkpoint's state: 0 (a subclass whose rounds
         follow the optimizer steps starts a resumed fit's at its step)."""
         return 0
+
+    def _begin_without_state(self, engine: EngineT, trainer: "pl.Trainer") -> None:
+        """Before ``start()``, an engine without a checkpoint's state (a fresh fit, or one resumed from
+        ``drop_engine_state``'s copy or a DDP checkpoint): its first round, where the steps say."""
+        if self._first_round > 0:
+            engine.begin_at(self._first_round)
 
     def _engine_state(self, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         """This rank's engine state from a checkpoint's per-rank states."""
