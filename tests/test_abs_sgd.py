@@ -225,6 +225,23 @@ def epoch_end_checkpoint(tmp_path_factory):
     return first
 
 
+def test_no_micro_batch_exceeds_the_loaders_batch_whatever_the_floor():
+    """AdaptiveBatchSize(min_batch_size=16) over loaders of 8: the loader's batch wins over the floor, in the split
+    rounds and in the asynchronous rule (before, micro-batches of 16: twice what the user's loader holds, and a
+    split round of 4 x 2 x 16 = 128 samples for a step of 32). An ElasticBatchSampler refuses a size below 1."""
+    from lightning_partial.data import ElasticBatchSampler
+
+    from types import SimpleNamespace
+
+    callback = AdaptiveBatchSize(window=1, min_batch_size=16, log=False)
+    callback._strategy = SimpleNamespace(loader_batch_sizes=(8, 8))  # as the strategy agreed them
+    assert callback._split(32, [1.0, 1.0]) == ((8, 8), (2, 2))
+    sampler = ElasticBatchSampler(64, batch_size=8, num_replicas=2, rank=0)
+    with pytest.raises(ValueError, match=r"ElasticBatchSampler: batch_size must be an integer >= 1, got 0"):
+        sampler.batch_size = 0
+    assert sampler.batch_size == 8
+
+
 @pytest.mark.timeout(300)
 def test_a_resume_without_engine_state_counts_its_epochs_on_from_the_checkpoints(tmp_path, epoch_end_checkpoint):
     """drop_engine_state's copy of an epoch-end checkpoint: the engine starts with the epochs before it counted
@@ -461,7 +478,8 @@ def test_adaptive_sizes_from_work_time_in_synchronous_rounds():
 def test_the_shared_micro_batch_count_is_set_by_the_smallest_loader_relative_to_its_share():
     """Loaders of 64, 64, 8 and 8 at equal speeds, a step of 144: shares of 36, so the 8-sample loaders need
     ``ceil(36 / 8) = 5`` micro-batches and every rank runs 5, of ``round(36 / 5) = 7``; with a floor of 9 the
-    round holds 4 x 5 x 9 = 180 samples, more than the step (documented)."""
+    64-sample loaders run micro-batches of 9 and the 8-sample ones of 8 (no micro-batch exceeds its loader's
+    batch): the round holds 2 x 5 x 9 + 2 x 5 x 8 = 170 samples, more than the step (documented)."""
     from lightning_partial.collectives import RoundStats
 
     class Sampler:
@@ -470,7 +488,7 @@ def test_the_shared_micro_batch_count_is_set_by_the_smallest_loader_relative_to_
     class Strategy:
         sampler, loader_batch_sizes, sync_round_samples, micro_batches_per_round = Sampler(), (64, 64, 8, 8), 144, 1
 
-    for floor, size in ((1, 7), (9, 9)):
+    for floor, sizes in ((1, (7, 7, 7, 7)), (9, (9, 9, 8, 8))):
         callback = AdaptiveBatchSize(window=1, log=False, min_batch_size=floor)
         callback._strategy = Strategy()
         callback._on_round(0, RoundStats(
@@ -478,8 +496,8 @@ def test_the_shared_micro_batch_count_is_set_by_the_smallest_loader_relative_to_
             counts=(8, 8, 8, 8), staleness=(0,) * 4, oldest_staleness=(0,) * 4, progress=(), dropped=(0,) * 4,
             contributions=32, divisor=32.0, busy=(0.1,) * 4))
         assert callback.bases == (64, 64, 8, 8) and callback.base == 64
-        assert callback.sizes == (size,) * 4 and callback.micro_batches == (5,) * 4, (callback.sizes, floor)
-        assert callback._strategy.sampler.batch_size == size and callback._strategy.micro_batches_per_round == 5
+        assert callback.sizes == sizes and callback.micro_batches == (5,) * 4, (callback.sizes, floor)
+        assert callback._strategy.sampler.batch_size == sizes[0] and callback._strategy.micro_batches_per_round == 5
 
 
 def test_step_lags_count_the_optimizer_steps_between_a_gradients_weights_and_its_step(tmp_path):

@@ -7,7 +7,7 @@ callback sizes each rank's micro-batch to its speed, so that every rank
 completes about one micro-batch per round (**Decision**, the paper's aim:
 workers finishing their batches together):
 
-    b_i = clamp(round(B_i * s_i / max_j s_j), min_batch_size, B_i)
+    b_i = min(B_i, max(min_batch_size, round(B_i * s_i / max_j s_j)))
 
 where ``B_i`` is rank ``i``'s loader batch size (the fastest rank keeps it;
 the strategy agrees on every rank's when its engines start) and ``s_i``
@@ -21,7 +21,7 @@ would only repeat the sizes: when every round of the window is synchronous,
 the round excluded), and the ranks split the strategy's step
 (``sync_round_samples``, ``R``: DDP's global batch by default) by speed:
 
-    q_i = R * s_i / sum_j s_j,  n = max_j ceil(q_j / B_j),  b_i = clamp(round(q_i / n), min_batch_size, B_i)
+    q_i = R * s_i / sum_j s_j,  n = max_j ceil(q_j / B_j),  b_i = min(B_i, max(min_batch_size, round(q_i / n)))
 
 Every rank deposits ``n`` micro-batches, rank ``i`` of ``b_i``, and arrives at
 the round with the last (the first ``n - 1`` are held, ``DelayedAllreduce.deposit(
@@ -75,7 +75,8 @@ class AdaptiveBatchSize(Callback):
 
     Args:
         window: rounds per measurement and between updates (>= 1).
-        min_batch_size: the smallest micro-batch (>= 1).
+        min_batch_size: the smallest micro-batch (>= 1), unless a rank's loader batch is smaller: no
+            micro-batch exceeds its rank's loader batch.
         log: log the sizes to the Lightning loggers.
         history: how many updates to keep in :attr:`history` (the oldest are dropped).
     """
@@ -158,7 +159,8 @@ class AdaptiveBatchSize(Callback):
             sizes, counts = self._split(round_samples, shares)
         else:
             sizes = tuple(
-                max(self.min_batch_size, min(base, round(base * s / top))) for base, s in zip(self.bases, shares)
+                # The loader's batch wins over the floor: no micro-batch exceeds it (min_batch_size may).
+                min(base, max(self.min_batch_size, round(base * s / top))) for base, s in zip(self.bases, shares)
             )
             counts = (1,) * len(sizes)
         self.sizes, self.micro_batches = sizes, counts
@@ -189,7 +191,7 @@ class AdaptiveBatchSize(Callback):
         total = sum(speeds)
         quotas = [round_samples * v / total for v in speeds]
         n = max(1, *(math.ceil(q / base) for q, base in zip(quotas, self.bases)))
-        sizes = tuple(max(self.min_batch_size, min(base, round(q / n))) for q, base in zip(quotas, self.bases))
+        sizes = tuple(min(base, max(self.min_batch_size, round(q / n))) for q, base in zip(quotas, self.bases))
         return sizes, (n,) * len(sizes)
 
     def _shares(self, samples: list[int]) -> tuple[list[float], bool]:

@@ -45,12 +45,23 @@ class ElasticBatchSampler(Sampler[list[int]]):
         if num_samples < num_replicas:
             raise ValueError(f"ElasticBatchSampler: {num_samples} samples cannot feed {num_replicas} ranks")
         self.num_samples = num_samples
-        self.batch_size = batch_size
+        self._batch_size = batch_size
         self.num_replicas = num_replicas
         self.rank = rank
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
+
+    @property
+    def batch_size(self) -> int:
+        """This rank's micro-batch size; settable (``AdaptiveBatchSize`` sets it), to an integer >= 1."""
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        # 0 or less would make __iter__ yield empty batches forever.
+        check_int("batch_size", value, owner="ElasticBatchSampler")
+        self._batch_size = value
 
     def set_epoch(self, epoch: int) -> None:
         """Called by Lightning at every epoch start (as for ``DistributedSampler``)."""

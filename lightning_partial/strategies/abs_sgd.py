@@ -537,10 +537,11 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
 
         One all_gather of ``(batch size, epoch samples, shuffle, seed)``. The epoch (the dataset's length) must
         be the same on every rank: the ranks end their epochs, and start the synchronous finish, at the same
-        round only if they count to the same global samples. So must the order: the ranks draw their batches
-        from one permutation of the dataset, which ranks seeded differently (``seed_everything(seed + rank)``,
-        which ``seed=None`` follows) would not share, training some samples twice and others never (DDP's
-        sampler does that silently). Raises a ``ValueError`` naming the ranks' values if either differs.
+        round only if they count to the same global samples. So must the order: each rank draws from its own
+        shard of one permutation of the dataset per epoch, and ranks seeded differently
+        (``seed_everything(seed + rank)``, which ``seed=None`` follows) would draw overlapping shards (DDP's
+        sampler takes such shards without a word). Raises a ``ValueError`` naming the ranks' values if either
+        differs.
         """
         assert self.sampler is not None
         sampler = self.sampler
