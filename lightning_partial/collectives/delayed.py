@@ -522,7 +522,11 @@ class DelayedAllreduce(PartialAllreduce):
         """The last round whose result this rank's caller was handed (-1 before any; a resumed fit's restored
         results count as not handed until a deposit hands them)."""
         with self._cond:
-            return self._restored[0].round_index - 1 if self._restored else self._handed
+            return self._handed_through()
+
+    def _handed_through(self) -> int:
+        """Under ``self._cond``: :meth:`handed_round`."""
+        return self._restored[0].round_index - 1 if self._restored else self._handed
 
     def known_round(self) -> int:
         """The last round activated as far as this rank can tell (after every rank paused)."""
@@ -736,8 +740,7 @@ class DelayedAllreduce(PartialAllreduce):
         A resumed fit's results restored from its checkpoint are not handed until a deposit hands them: on
         every rank the rounds handed are those before the first of them, as in the fit that saved it.
         """
-        handed = self._restored[0].round_index - 1 if self._restored else self._handed
-        return handed < q - 2 and self._stop_round is None
+        return self._handed_through() < q - 2 and self._stop_round is None
 
     def _epoch_ended(self, epoch: Optional[int]) -> bool:
         """Under ``self._cond``: the completed rounds have ended epoch ``epoch`` (``None``: no epoch given)."""

@@ -233,7 +233,7 @@ class Heartbeat:
         # beats is then silent like one that stopped, and is named after ``timeout``.
         client.compare_set(str((self.rank + 1) % self.world_size), "", _NEVER)
         client.compare_set(_DEAD, "", "")
-        self._beat(0)
+        self._beat(self._beat_value(0))
         self._answered = time.monotonic()
         name = f"lightning_partial-{self._name}-rank{self.rank}"
         self._threads = [
@@ -301,9 +301,9 @@ class Heartbeat:
                 engines = ":?"
         return f"{count}:{'?' if progress is None else progress}{engines}"
 
-    def _beat(self, count: int, value: Optional[str] = None) -> None:
+    def _beat(self, value: str) -> None:
         assert self._client is not None
-        self._client.set(str(self.rank), value if value is not None else self._beat_value(count))
+        self._client.set(str(self.rank), value)
 
     def _run(self) -> None:
         """The store thread: beats, reads its neighbour and the verdict. Any of its calls may block."""
@@ -318,7 +318,7 @@ class Heartbeat:
             now = time.monotonic()
             beat = self._beat_value(count)
             try:
-                self._beat(count, beat)
+                self._beat(beat)
                 value, verdict = client.multi_get([str(watched), _DEAD])
             except Exception as err:  # noqa: BLE001 - every failure of the store is a verdict here
                 self._store_ok = False
