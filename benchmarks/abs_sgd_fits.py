@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             fit = heterogeneity.run_fit(options, "abs_sgd")
             record = {"seed": seed, "test_acc": fit["test_acc"], "test_loss": fit["test_loss"],
                       "samples_per_s": fit["samples_per_s"], "steps": fit["global_step"], "rounds": fit["rounds"],
+                      "samples_by_rank": fit["samples"], "final_loss": fit["final_loss"],
+                      "round_samples": fit.get("round_samples"),
                       **heterogeneity.lag_figures([fit["step_lags"]])}
             fits[" ".join(arm)].append(record)
             logging.info("seed %d, [%s]: accuracy %.2f %%, %.0f samples/s, %d steps, %s rounds", seed,

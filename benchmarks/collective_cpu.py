@@ -48,7 +48,8 @@ from benchmarks.harness import RESULTS, cpu_by_thread_name, free_port, positive_
 
 log = logging.getLogger("benchmarks.collective_cpu")
 WORLD = 4
-# 1,000 elements; the imbalance benchmark's MLP gradient with the fused round header (547,338 + 320).
+# 1,000 elements; the imbalance benchmark's MLP gradient with the fused round header of its time (547,338 + 320;
+# 4 ranks' header is 384 elements today). The heterogeneity benchmark's CNN round: 29,930 (29,546 + 384).
 SIZES = (1_000, 547_658)
 
 
@@ -69,13 +70,13 @@ def _gloo_group(store: Any, prefix: str, rank: int, threads: int) -> Any:
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, WORLD, options)
 
 
-def _variants(store: Any, rank: int, calls: int) -> dict[str, dict[str, dict[str, float]]]:
+def _variants(store: Any, rank: int, calls: int, sizes: tuple[int, ...]) -> dict[str, dict[str, dict[str, float]]]:
     """CPU and wall ms per call of each variant of the sum (``--variants``), per tensor size; every rank runs the
     same sequence, so the collectives pair up."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     groups = {threads: _gloo_group(store, f"collective_cpu/threads{threads}", rank, threads) for threads in (1, 2, 4)}
     default = groups[2]
-    for numel in SIZES:
+    for numel in sizes:
         # Zeros: a sum of zeros stays zero, so no call meets an infinity or a subnormal (values of any other kind
         # grow 4x per call and overflow float32 within 64 calls); gloo's work does not depend on the values.
         tensor = torch.zeros(numel)
@@ -107,12 +108,12 @@ def _variants(store: Any, rank: int, calls: int) -> dict[str, dict[str, dict[str
     return out
 
 
-def _rank(rank: int, port: int, calls: int, variants: bool, queue: Any) -> None:
+def _rank(rank: int, port: int, calls: int, variants: bool, sizes: tuple[int, ...], queue: Any) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     out: dict[str, Any] = {"rank": rank, "allreduce": {}}
-    for numel in SIZES:
+    for numel in sizes:
         tensor = torch.randn(numel)
         for _ in range(20):
             dist.all_reduce(tensor)
@@ -124,7 +125,7 @@ def _rank(rank: int, port: int, calls: int, variants: bool, queue: Any) -> None:
         out["allreduce"][str(numel)] = {"cpu_ms": cpu * 1e3, "wall_ms": wall * 1e3,
                                         "cpu_ms_by_thread": {k: v for k, v in by_thread.items() if v > 0}}
     if variants:
-        out["variants"] = _variants(store, rank, calls)
+        out["variants"] = _variants(store, rank, calls, sizes)
     own = dist.PrefixStore(f"collective_cpu/{rank}", store)
     dist.barrier()
     add_cpu, add_wall = _per_call(lambda i: own.add(f"k{i}", 1), calls)
@@ -143,12 +144,15 @@ def main() -> None:
     parser.add_argument("--variants", action="store_true",
                         help="also the allreduce with 1, 2 and 4 gloo threads (two passes), reduce + broadcast, "
                              "allgather + sum")
+    parser.add_argument("--sizes", type=positive_int, nargs="+", default=list(SIZES),
+                        help="float32 elements per collective (default: %(default)s)")
     args = parser.parse_args()
+    sizes = tuple(args.sizes)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, args.calls, args.variants, queue)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank, args=(r, port, args.calls, args.variants, sizes, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
     ranks = sorted(process_reports(queue, procs, timeout=600.0), key=lambda r: r["rank"])
@@ -162,7 +166,7 @@ def main() -> None:
 
     summary = {
         "allreduce": {n: {k: spread([r["allreduce"][n][k] for r in ranks]) for k in ("cpu_ms", "wall_ms")}
-                      for n in map(str, SIZES)},
+                      for n in map(str, sizes)},
         "store": {op: {k: spread([r["store"][op][k] for r in ranks]) for k in ("cpu_ms", "wall_ms")}
                   for op in ("add", "delete_key")},
         # Per thread name, over the ranks that have such a thread (a /proc tick is 10 ms: over --calls calls
@@ -170,15 +174,15 @@ def main() -> None:
         "allreduce_by_thread": {
             n: {name: spread([r["allreduce"][n]["cpu_ms_by_thread"].get(name, 0.0) for r in ranks])
                 for name in sorted({k for r in ranks for k in r["allreduce"][n]["cpu_ms_by_thread"]})}
-            for n in map(str, SIZES)},
+            for n in map(str, sizes)},
     }
     if args.variants:
         summary["variants"] = {
             name: {n: {k: spread([r["variants"][name][n][k] for r in ranks]) for k in ("cpu_ms", "wall_ms")}
-                   for n in map(str, SIZES)}
+                   for n in map(str, sizes)}
             for name in ranks[0]["variants"]}
     report = {
-        "world": WORLD, "calls": args.calls, "cores": os.cpu_count(), "torch": torch.__version__,
+        "world": WORLD, "calls": args.calls, "sizes": list(sizes), "cores": os.cpu_count(), "torch": torch.__version__,
         "python": platform.python_version(), "load_average_before": os.getloadavg(),
         "summary": summary, "ranks": ranks,
     }

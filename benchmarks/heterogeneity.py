@@ -104,6 +104,7 @@ import logging
 import math
 import os
 import platform
+import statistics
 import subprocess
 import time
 from collections import Counter
@@ -273,9 +274,15 @@ def run_worker(args: argparse.Namespace) -> int:
         cpu_first: dict[int, tuple[str, float]] = {}
         cpu_last: dict[int, tuple[str, float]] = {}
         rounds: list[int]  # abs_sgd: the index of every round this rank saw complete
+        waits: list[float]  # abs_sgd: per result handed, the seconds this rank was blocked before it
+        round_times: dict[int, tuple[float, float]]  # abs_sgd: see record_round_times
+        round_samples: dict[int, int]  # abs_sgd: every round's samples over all ranks (record_round_times)
 
         def __init__(self) -> None:
             self.rounds = []
+            self.waits = []
+            self.round_times = {}
+            self.round_samples = {}
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if self.t_start is None:
@@ -308,8 +315,12 @@ def run_worker(args: argparse.Namespace) -> int:
         # Rounds (not optimizer steps): with one step per global batch, rounds per step decide how much of a
         # step's gradient was computed a step earlier.
         strategy.round_listeners.append(lambda index, stats: clock.rounds.append(index))
+        # Where a rank's wall time goes beside its work: the seconds its training thread was blocked in the
+        # rounds (the allreduce, and the slowest rank in a synchronous round).
+        strategy.round_listeners.append(lambda index, stats: clock.waits.append(stats.wait_time))
+        record_round_times(clock.round_times, clock.round_samples)
         if args.adaptive:
-            callbacks.append(AdaptiveBatchSize(window=8, log=False))
+            callbacks.append(AdaptiveBatchSize(window=8, log=False, arrival=args.arrival, slices=args.slices))
     elif args.run == "no_comm":
         from benchmarks.baselines import NoCommStrategy
 
@@ -334,6 +345,9 @@ def run_worker(args: argparse.Namespace) -> int:
         "trace": [(round(t - clock.t_start, 4), round(x, 5), n) for t, x, n in model.trace],  # time, loss, samples
         "global_step": trainer.global_step,
         "rounds": len(clock.rounds) if args.run == "abs_sgd" else None,
+        "round_wait_s": sum(clock.waits) if args.run == "abs_sgd" else None,
+        "round_times": {str(q): t for q, t in clock.round_times.items()} if args.run == "abs_sgd" else None,
+        "round_samples": [n for _, n in sorted(clock.round_samples.items())] if args.run == "abs_sgd" else None,
         # abs_sgd: this rank's trained samples per lag, in optimizer steps, at which they were applied.
         "step_lags": strategy.step_lags.histogram(0) if args.run == "abs_sgd" else None,
         "test_loss": test_loss,
@@ -435,7 +449,8 @@ def worker_command(args: argparse.Namespace, name: str) -> list[str]:
             *[item for option, value in optional.items() if value is not None for item in (option, str(value))],
             "--reference-samples", str(args.reference_samples).lower(), "--step-samples", str(args.step_samples).lower(),
             "--step-boundary", args.step_boundary,
-            "--adaptive" if args.adaptive else "--no-adaptive", "--lr", str(args.lr),
+            "--adaptive" if args.adaptive else "--no-adaptive", "--arrival", args.arrival, "--slices", str(args.slices),
+            "--lr", str(args.lr),
             "--momentum", str(args.momentum), "--optimizer", args.optimizer, "--staleness-rule", args.staleness_rule,
             "--lr-schedule", args.lr_schedule,
             "--weight-prediction" if args.weight_prediction else "--no-weight-prediction",
@@ -478,6 +493,9 @@ def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "test_loss": ranks[0]["test_loss"],
         "global_step": ranks[0]["global_step"],
         "rounds": ranks[0].get("rounds"),
+        "round_wait_s": [r.get("round_wait_s") for r in ranks],
+        "round_timing": round_timing([r.get("round_times") for r in ranks]),
+        "round_samples": spread_of(ranks[0].get("round_samples")),
         "step_lags": [r.get("step_lags") for r in ranks],
         "thread_cpu_s": [r.get("thread_cpu_s") for r in ranks],
         "clock_check": [r.get("clock_check") for r in ranks],
@@ -485,6 +503,57 @@ def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "steal_fraction": max(steals) if steals else None,  # the worst rank's training interval
         "curve": curve,
     }
+
+
+def record_round_times(out: dict[int, tuple[float, float]], samples: dict[int, int]) -> None:
+    """abs_sgd's worker: records, per round ``q`` a ``DelayedAllreduce.deposit`` of this process returned the
+    result of last, ``(called, returned)`` in ``time.monotonic()`` (one clock for every process of the
+    host). In a synchronous round the deposit that returns ``q`` is the one that arrived at it: *called* is
+    this rank's arrival, *returned* when it had the result. ``samples``: every round handed, its samples
+    over all ranks (its header's counts)."""
+    from lightning_partial.collectives.delayed import DelayedAllreduce
+
+    deposit = DelayedAllreduce.deposit
+
+    def timed(self: DelayedAllreduce, *a: Any, **kw: Any) -> Any:
+        called = time.monotonic()
+        results = deposit(self, *a, **kw)
+        if results:
+            out[results[-1].round_index] = (called, time.monotonic())
+            samples.update((r.round_index, sum(r.stats.counts)) for r in results if not r.stats.flush)
+        return results
+
+    DelayedAllreduce.deposit = timed  # type: ignore[method-assign]
+
+
+def spread_of(values: list[int] | None) -> dict[str, float] | None:
+    """Quantiles of a list (``None`` when empty): min, 10th percentile, median, 90th, max."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    at = lambda f: ordered[min(len(ordered) - 1, int(f * len(ordered)))]  # noqa: E731
+    return {"n": len(ordered), "min": ordered[0], "p10": at(0.1), "median": statistics.median(ordered),
+            "p90": at(0.9), "max": ordered[-1]}
+
+
+def round_timing(per_rank: list[dict[str, list[float]] | None]) -> dict[str, float] | None:
+    """Where a round's time goes, over the rounds every rank had handed by a deposit (the synchronous ones
+    at ``delay=0``: each rank's call there is its arrival), medians in ms: the *period* between two
+    rounds' first returns; the *spread* of the ranks' arrivals (the first waits that long for the last); the
+    *latency* from the last arrival to the first rank's return (the allreduce and the threads' hand-offs)."""
+    if not per_rank or any(not r for r in per_rank):
+        return None
+    known = [r for r in per_rank if r]
+    common = sorted(set.intersection(*(set(map(int, r)) for r in known)))
+    if len(common) < 3:
+        return None
+    times = [[r[str(q)] for r in known] for q in common]
+    spread = [max(c for c, _ in t) - min(c for c, _ in t) for t in times]
+    latency = [min(d for _, d in t) - max(c for c, _ in t) for t in times]
+    first = [min(d for _, d in t) for t in times]
+    period = [(b - a) / (q1 - q0) for a, b, q0, q1 in zip(first, first[1:], common, common[1:])]
+    return {"rounds": len(common), "period_ms": statistics.median(period) * 1e3,
+            "arrival_spread_ms": statistics.median(spread) * 1e3, "latency_ms": statistics.median(latency) * 1e3}
 
 
 def lag_figures(fits: list[list[dict[str, int] | None]]) -> dict[str, Any]:
@@ -541,6 +610,9 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             "abs_samples_per_step": sum(abs_["samples"]) / max(abs_["global_step"], 1),
             "abs_samples_per_round": sum(abs_["samples"]) / max(abs_["rounds"] or 0, 1),
             "ddp_samples_per_step": sum(ddp["samples"]) / max(ddp["global_step"], 1),
+            # Synchronous rounds (delay=0): median ms per round (see round_timing).
+            **{f"abs_round_{key}": (abs_["round_timing"] or {}).get(key)
+               for key in ("period_ms", "arrival_spread_ms", "latency_ms")},
         })
 
     def median(values: list[Any]) -> Any:
@@ -571,7 +643,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             "speed": args.speed, "target_samples": args.target_samples if args.interval is None else None,
             "interval": args.interval, "reference_samples": args.reference_samples,
             "step_samples": args.step_samples, "step_boundary": args.step_boundary,
-            "adaptive": args.adaptive, "final_sync": args.final_sync, "delay": args.delay,
+            "adaptive": args.adaptive, "arrival": args.arrival, "slices": args.slices, "final_sync": args.final_sync, "delay": args.delay,
             "abs_epochs": args.abs_epochs, "steps": args.steps, "batch_size": args.batch_size,
             "abs_batch_size": args.abs_batch_size, "repeats": args.repeats, "threads": args.threads,
             "device_ms_per_sample": args.device_ms_per_sample, "environment": environment(args), "results": results,
@@ -645,6 +717,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="abs_sgd's step_boundary (default nearest, the strategy's)")
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
                         help="abs_sgd with AdaptiveBatchSize (default: no; it costs throughput here, see docs/benchmarks.md)")
+    parser.add_argument("--arrival", choices=("count", "time"), default="count",
+                        help="--adaptive's arrival rule in synchronous rounds (default count, the callback's: the "
+                             "same micro-batches on every rank; time: each rank after about the round's time)")
+    parser.add_argument("--slices", type=positive_int, default=4,
+                        help="--adaptive --arrival time: about how many micro-batches a rank's share of a round is "
+                             "cut into (default 4, the callback's)")
     parser.add_argument("--abs-epochs", type=int, default=1,
                         help="epochs abs_sgd trains (ddp and no_comm: one; default 1, the same samples; more to see "
                              "when it reaches DDP's final loss)")
@@ -720,6 +798,11 @@ def main() -> int:
         per_round = {role: 1e3 * sum(c[role] for c in abs_cpu) / len(abs_cpu) / max(rounds, 1) for role in abs_cpu[0]}
         print("abs_sgd CPU per rank and round (ms; run with the median throughput): "
               + ", ".join(f"{role} {ms:.2f}" for role, ms in per_round.items()))
+    timing = report["results"]["abs_sgd"].get("round_timing")
+    if timing:
+        print(f"abs_sgd rounds (run with the median throughput; medians over {timing['rounds']} rounds): one every "
+              f"{timing['period_ms']:.1f} ms; the ranks' arrivals spread over {timing['arrival_spread_ms']:.1f} ms; "
+              f"{timing['latency_ms']:.1f} ms from the last arrival to the first rank's result")
     checks = [c for name in CONFIGS for run in report["results"][name]["runs"] for c in run["clock_check"] if c]
     if checks:
         shares = sorted(c["main_cpu_share"] for c in checks)

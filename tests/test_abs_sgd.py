@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -170,19 +172,22 @@ def test_adamw_results_are_retimed_through_adams_moments_and_replicas_stay_ident
 
 @pytest.mark.timeout(300)
 def test_adamw_runs_synchronous_rounds_sized_by_each_ranks_measured_speed(tmp_path):
-    """AdamW under speeds 1, 1, 0.5, 0.25 at the defaults: ``delay="auto"`` resolves to 0, so every micro-batch is
-    applied by the step that includes its own round (step lag 0 for every sample, each sample applied once);
+    """AdamW under speeds 1, 1, 0.5, 0.25 at the defaults but ``AdaptiveBatchSize(arrival="time")``, the module
+    issuing the strategy's collectives in every training step (``sync_dist`` logging, all_gather, barrier): ``delay="auto"`` resolves to 0, so every
+    micro-batch is applied by the step that includes its own round (step lag 0 for every sample, each sample applied once);
     AdaptiveBatchSize sizes the ranks' shares from their measured work time (in synchronous rounds the samples
     per round only repeat the sizes): a round holds about the global batch (4 x 16), the slowest rank's share is
     the smallest, every rank's share comes as the same number of micro-batches, none larger than the loader's 16; the
     batch that ends an epoch arrives whatever the count, so the epoch-end checkpoint (collective) finds no rank
-    waiting in a round; every rank runs the same number of micro-batches per round, so the module's collectives in
-    every training step (``sync_dist`` logging, all_gather, barrier) pair the same batches (with a count per rank,
-    a rank holding a micro-batch waited in them for a rank waiting in the round); replicas end bit-identical."""
+    waiting in a round; AdaptiveBatchSize saw the collectives in its first window and arrives by count (not by
+    time) on every rank: every rank runs the same number of micro-batches per round, so the collectives pair the
+    same batches (with a count per rank, a rank holding a micro-batch waited in them for a rank waiting in the
+    round); replicas end bit-identical."""
     out = tmp_path / "run"
     records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--optimizer", "adamw", "--adaptive",
-                      "--save-epoch", "0", "--sync-dist")
+                      "--arrival", "time", "--save-epoch", "0", "--sync-dist")
     assert_identical(out)
+    assert [(r["fit_arrival"], r["round_seconds"]) for r in records] == [("count", None)] * 4, records[0]
     assert (out / "mid.ckpt").is_file()
     assert all(len(r["epoch_batches"]) == 2 for r in records)
     assert all(r["update_rule"]["delay"] == 0 for r in records), records[0]["update_rule"]
@@ -206,6 +211,42 @@ def test_adamw_runs_synchronous_rounds_sized_by_each_ranks_measured_speed(tmp_pa
     assert share[3] < min(share[0], share[1]), (share, updates)
     first = [r["epoch_samples"][0] for r in records]
     assert first[0] > first[3] and first[1] > first[3], first
+
+
+@pytest.mark.timeout(300)
+def test_arrival_by_time_applies_every_sample_once_in_rounds_of_about_a_step(tmp_path):
+    """AdamW under speeds 1, 1, 0.5, 0.25 at the defaults (``delay=0``) with ``AdaptiveBatchSize(arrival="time")``:
+    the first window sizes every rank's share as about 4 micro-batches once (the same sizes at every later
+    update, on every rank) and every update sets the round's time; each rank arrives by time, so the rounds
+    after the first window hold about the step of 4 x 16 samples however many micro-batches each rank ran,
+    the slowest rank's share the smallest; every micro-batch is applied by the step of its own round (step
+    lag 0), each sample once; the batch that ends an epoch arrives, so the epoch-end checkpoint (collective)
+    finds no rank in a round; replicas end bit-identical."""
+    out = tmp_path / "run"
+    records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--optimizer", "adamw", "--adaptive",
+                      "--arrival", "time", "--save-epoch", "0")
+    assert_identical(out)
+    assert (out / "mid.ckpt").is_file()
+    assert all(len(r["epoch_batches"]) == 2 for r in records)
+    assert all(r["update_rule"]["delay"] == 0 for r in records), records[0]["update_rule"]
+    for record in records:
+        lags = {int(k): n for k, n in record["step_lags"].items()}
+        assert set(lags) == {0} and lags[0] == sum(record["epoch_samples"]), (lags, record["epoch_samples"])
+    updates = records[0]["adaptive"]
+    assert updates and all(u == records[1]["adaptive"][i] for i, u in enumerate(updates))  # the same everywhere
+    assert all(u[3] for u in updates), updates  # every window synchronous: the step split by speed
+    assert len({(tuple(u[1]), tuple(u[2])) for u in updates}) == 1, updates  # sized once
+    sizes, counts = updates[0][1], updates[0][2]
+    assert max(sizes) <= 16 and counts == [4] * 4, updates
+    seconds = {r["round_seconds"] for r in records}
+    assert len(seconds) == 1 and 0 < seconds.pop() < 10, [r["round_seconds"] for r in records]
+    first = updates[0][0]  # the round that ended the first window: by time from the next one on
+    timed = [c for (r, *_), c in zip(records[0]["rounds"], records[0]["round_counts"]) if r > first + 1]
+    assert len(timed) > 10, records[0]["rounds"]
+    mean = sum(sum(c) for c in timed) / len(timed)
+    assert 32 <= mean <= 112, (mean, timed)  # about the step of 64 (noisy speeds on a loaded host)
+    share = [sum(c[i] for c in timed) for i in range(4)]
+    assert share[3] < min(share[0], share[1]), (share, timed)
 
 
 @pytest.fixture(scope="module")
@@ -233,9 +274,10 @@ def test_no_micro_batch_exceeds_the_loaders_batch_whatever_the_floor():
 
     from types import SimpleNamespace
 
-    callback = AdaptiveBatchSize(window=1, min_batch_size=16, log=False)
-    callback._strategy = SimpleNamespace(loader_batch_sizes=(8, 8))  # as the strategy agreed them
-    assert callback._split(32, [1.0, 1.0]) == ((8, 8), (2, 2))
+    for arrival, count in (("count", 2), ("time", 4)):  # "time": about slices=4 micro-batches per share
+        callback = AdaptiveBatchSize(window=1, min_batch_size=16, log=False, arrival=arrival)
+        callback._strategy = SimpleNamespace(loader_batch_sizes=(8, 8))  # as the strategy agreed them
+        assert callback._split(32, [1.0, 1.0]) == ((8, 8), (count, count)), arrival
     sampler = ElasticBatchSampler(64, batch_size=8, num_replicas=2, rank=0)
     with pytest.raises(ValueError, match=r"ElasticBatchSampler: batch_size must be an integer >= 1, got 0"):
         sampler.batch_size = 0
@@ -454,7 +496,7 @@ def test_adaptive_sizes_from_work_time_in_synchronous_rounds():
     class Strategy:  # what ABSSGDStrategy has at the start of fit: no step size (set below), every loader at 16
         sampler, loader_batch_sizes, sync_round_samples, micro_batches_per_round = Sampler(), (16,) * 4, None, 1
 
-    callback = AdaptiveBatchSize(window=2, log=False)
+    callback = AdaptiveBatchSize(window=2, log=False, arrival="count")
     callback._strategy = Strategy()
     for r in range(2):  # asynchronous: shares of the samples (busy ignored)
         callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.1, 0.1), False))
@@ -473,6 +515,45 @@ def test_adaptive_sizes_from_work_time_in_synchronous_rounds():
     for r in range(6, 8):  # asynchronous again: one micro-batch per round, the fastest at the loader's 16
         callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.1, 0.1), False))
     assert callback.sizes == (16, 16, 8, 4) and callback._strategy.micro_batches_per_round == 1
+    assert callback._strategy.round_seconds is None  # by count throughout
+
+
+def test_arrival_by_time_sizes_a_share_once_and_times_every_round():
+    """``arrival="time"`` (``"count"`` is the default), a step of 64 over loaders of 16: the first window of synchronous rounds
+    (speeds 160, 160, 40, 20 samples per busy second) sizes each share ``q_i = 64 * v_i / 380`` as about
+    ``slices=4`` micro-batches (26.9 / 4 = 7, 7, round(1.68) = 2, round(0.84) = 1) and sets the round's time
+    ``T = 64 / 380`` s on the strategy; later windows leave the sizes (re-measured, small micro-batches read
+    slower and would shrink) and set ``T`` from their own speeds (twice as fast: half the time), so a round
+    holds about 64 samples; asynchronous rounds arrive by their trigger (``T`` unset); a new fit sizes afresh."""
+    from lightning_partial.collectives import RoundStats
+
+    def stats(r: int, counts, busy, synchronous: bool = True) -> RoundStats:
+        return RoundStats(round_index=r, activator=-1, initiator=None, synchronous=synchronous, flush=False,
+                          fresh=(), counts=counts, staleness=(0,) * 4, oldest_staleness=(0,) * 4, progress=(),
+                          dropped=(0,) * 4, contributions=sum(counts), divisor=float(sum(counts)), busy=busy)
+
+    class Strategy:
+        sampler = SimpleNamespace(batch_size=16)
+        loader_batch_sizes, sync_round_samples, micro_batches_per_round, round_seconds = (16,) * 4, 64, 1, None
+
+    assert (AdaptiveBatchSize().arrival, AdaptiveBatchSize().slices) == ("count", 4)
+    callback = AdaptiveBatchSize(window=2, log=False, arrival="time")
+    callback._strategy = strategy = Strategy()
+    for r in range(2):
+        callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.2, 0.2)))
+    assert callback.sizes == (7, 7, 2, 1) and callback.micro_batches == (4,) * 4
+    assert strategy.sampler.batch_size == 7 and strategy.micro_batches_per_round == 4
+    assert strategy.round_seconds == pytest.approx(64 / 380)
+    for r in range(2, 4):  # the same samples in half the time
+        callback._on_round(0, stats(r, (16, 16, 8, 4), (0.05, 0.05, 0.1, 0.1)))
+    assert callback.sizes == (7, 7, 2, 1) and strategy.round_seconds == pytest.approx(64 / 760)
+    for r in range(4, 6):
+        callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.1, 0.1), synchronous=False))
+    assert callback.sizes == (16, 16, 8, 4) and strategy.round_seconds is None
+    callback.on_train_start(None, None)  # type: ignore[arg-type]
+    for r in range(2):  # a new fit: equal speeds, equal shares of 16 as 4 micro-batches of 4
+        callback._on_round(0, stats(r, (16, 16, 16, 16), (0.1,) * 4))
+    assert callback.sizes == (4, 4, 4, 4) and strategy.round_seconds == pytest.approx(64 / 640)
 
 
 def test_the_shared_micro_batch_count_is_set_by_the_smallest_loader_relative_to_its_share():
@@ -489,7 +570,7 @@ def test_the_shared_micro_batch_count_is_set_by_the_smallest_loader_relative_to_
         sampler, loader_batch_sizes, sync_round_samples, micro_batches_per_round = Sampler(), (64, 64, 8, 8), 144, 1
 
     for floor, sizes in ((1, (7, 7, 7, 7)), (9, (9, 9, 8, 8))):
-        callback = AdaptiveBatchSize(window=1, log=False, min_batch_size=floor)
+        callback = AdaptiveBatchSize(window=1, log=False, min_batch_size=floor, arrival="count")
         callback._strategy = Strategy()
         callback._on_round(0, RoundStats(
             round_index=0, activator=-1, initiator=None, synchronous=True, flush=False, fresh=(),
@@ -634,14 +715,15 @@ def test_the_global_batch_is_agreed_when_the_ranks_loaders_differ(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_synchronous_rounds_split_by_speed_keep_lock_step_when_the_ranks_loaders_differ(tmp_path):
-    """AdamW (``delay`` 0) with AdaptiveBatchSize, loader batch sizes 16, 16, 8, 8, speeds 1, 1, 0.5, 0.25: the
+    """AdamW (``delay`` 0) with AdaptiveBatchSize(arrival="count"), loader batch sizes 16, 16, 8, 8, speeds 1, 1,
+    0.5, 0.25: the
     ranks exchange their loader batch sizes, so every rank computes the same sizes and the same micro-batch count
     for every rank (a rank that knew only its own would count ``ceil(share / 8)`` where the others count
     ``ceil(share / 16)``, and the ranks' batches would drift apart); no rank's micro-batch exceeds its own
     loader's batch; every rank runs the same batches per epoch; replicas end bit-identical."""
     out = tmp_path / "run"
     records = run_fit(out, "--rank-batch-sizes", "16,16,8,8", "--speed", "1,1,0.5,0.25", "--max-epochs", "1",
-                      "--optimizer", "adamw", "--adaptive")
+                      "--optimizer", "adamw", "--adaptive", "--arrival", "count")
     assert_identical(out)
     assert all(r["adaptive_bases"] == [16, 16, 8, 8] for r in records), [r["adaptive_bases"] for r in records]
     updates = records[0]["adaptive"]
@@ -652,6 +734,27 @@ def test_synchronous_rounds_split_by_speed_keep_lock_step_when_the_ranks_loaders
         assert len(set(counts)) == 1, updates
     batches = [r["epoch_batches"] for r in records]
     assert all(b == batches[0] for b in batches), batches
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("late", [False, True], ids=["delay1", "after-the-first-window"])
+def test_a_collective_in_training_step_that_cannot_pair_fails_at_once_on_every_rank(tmp_path, late):
+    """The module logs with ``sync_dist=True`` (and gathers, and waits in a barrier) in training steps where the
+    ranks run different numbers of batches: under ``delay=1`` from the first step; under AdaptiveBatchSize's
+    default arrival by time from step 13, after its first window (4 rounds in lock-step, no collective seen)
+    set the rounds' time. Every rank refuses the collective before entering it, naming the setting and the fix,
+    so the fit fails in seconds rather than at the 30-minute ``timeout``."""
+    extra = (["--adaptive", "--arrival", "time", "--sync-dist-from", "12"] if late else
+             ["--sync-dist", "--strategy-kw", json.dumps({"delay": 1})])
+    proc = forkrun.run(fit_command(tmp_path / "run", "--strategy", "abs_sgd", "--speed", "1,1,0.5,0.25",
+                                   "--max-epochs", "2", *extra, launch="fork"), env=FIT_ENV, timeout=240)
+    assert proc.returncode != 0
+    why = ("AdaptiveBatchSize(arrival='time'), each rank arriving after about the round's time of work" if late
+           else "delay=1, the rounds asynchronous")
+    assert re.search(r"in a training step \(training_step, backward and their hooks\) on rank \d \(epoch 0, ",
+                     proc.stderr) and why in proc.stderr, proc.stderr[-4000:]
+    assert "cannot pair the same batch on every rank. Log per rank (sync_dist=False)" in proc.stderr
+    assert "PartialCollectiveTimeout" not in proc.stderr, proc.stderr[-4000:]  # no rank left to a timeout
 
 
 @pytest.mark.timeout(300)
@@ -708,10 +811,11 @@ def test_reloaded_loaders_keep_the_adapted_sizes(tmp_path):
     """``reload_dataloaders_every_n_epochs=1`` with AdaptiveBatchSize (AdamW, split rounds): the loader built for
     the second epoch keeps the sizes the callback set (a fresh sampler at the loader's 16 with the count still
     at n would make every round hold about n steps): every rank draws about as many batches in the second epoch
-    as in the first, the same on every rank, and the replicas end bit-identical."""
+    as in the first, the same on every rank (arrival="count": by time a rank's count moves with the host's
+    noise), and the replicas end bit-identical."""
     out = tmp_path / "run"
     records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--optimizer", "adamw", "--adaptive",
-                      "--reload-dataloaders")
+                      "--arrival", "count", "--reload-dataloaders")
     assert_identical(out)
     batches = [r["epoch_batches"] for r in records]
     assert all(b == batches[0] for b in batches), batches
@@ -760,6 +864,39 @@ def test_a_users_elastic_sampler_leaves_the_fit_at_its_own_batch_size(tmp_path):
             trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_sampler=sampler))
         sizes.append((strategy.loader_batch_sizes, sampler.batch_size))
     assert sizes == [((8,), 8), ((8,), 8)], sizes
+
+
+def test_one_rank_logs_with_sync_dist_in_every_step_whatever_the_delay(tmp_path):
+    """One rank pairs with itself: ``self.log(..., sync_dist=True)`` and ``all_gather`` in every training step
+    run under ``delay=1`` (refused on several ranks) and with AdaptiveBatchSize by time, to the end of the fit."""
+    import lightning as L
+
+    from lightning_partial.callbacks import AdaptiveBatchSize
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+            self.log("synced", loss.detach(), sync_dist=True)
+            self.all_gather(loss.detach())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(256, 8, generator=g), torch.randn(256, 1, generator=g))
+    for delay, callbacks in ((1, []), ("auto", [AdaptiveBatchSize(window=2, log=False, arrival="time")])):
+        strategy = ABSSGDStrategy(delay=delay)
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=2, logger=False,
+                            callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False, default_root_dir=tmp_path)
+        with in_process_fit():
+            trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=8))
+        assert trainer.current_epoch == 2 and strategy.batch_collectives is False, (delay, trainer.current_epoch)
 
 
 def test_asynchronous_round_options_warn_when_every_round_is_synchronous(tmp_path, caplog):

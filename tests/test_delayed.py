@@ -314,6 +314,48 @@ def test_busy_seconds_leave_out_the_time_paused():
     assert busy[2] <= since_resume + 1e-6, (busy, since_resume)  # the pause is not counted (1e-6: microseconds)
 
 
+def test_work_since_arrival_is_what_the_next_arrival_reports_as_busy():
+    """One rank, synchronous rounds: ``work_since_arrival()`` before a deposit is the work the round's header will
+    report for this rank (the held micro-batches' busy and the time since the last return), to within the
+    time between the two reads; an arrival starts it afresh, and neither a pause nor what comes before
+    ``restart_work_clock()`` (an epoch's end) is counted."""
+    config = DelayedConfig(target_samples=1, max_rounds=3, sync_from=0, timeout=timedelta(seconds=30), name="work")
+
+    def fn(rank: int, store: dist.Store) -> tuple[list[tuple[float, float, float]], float]:
+        engine = DelayedAllreduce(config, store=store, rank=rank, world_size=1,
+                                  like=[torch.zeros(3, dtype=torch.float64)]).start()
+        reads = []
+        try:
+            assert engine.work_since_arrival() == 0.0  # nothing deposited yet
+            engine.deposit([grad_of(rank, 0)], samples=1)  # arrives: the work starts from its return
+            for k in (1, 2):  # two held micro-batches, then the arrival with the third
+                time.sleep(0.03)
+                engine.deposit([grad_of(rank, k)], samples=1, arrive=False)
+            engine.pause()
+            time.sleep(0.1)  # a save: not work
+            engine.resume()
+            time.sleep(0.03)
+            before = engine.work_since_arrival()
+            began = time.monotonic()
+            results = engine.deposit([grad_of(rank, 3)], samples=1)
+            reads.append((before, results[-1].stats.busy[0], time.monotonic() - began))
+            after = engine.work_since_arrival()
+            time.sleep(0.1)  # an epoch's end: validation, hooks
+            engine.restart_work_clock()
+            reads.append((engine.work_since_arrival(), 0.0, 0.0))
+            return reads, after
+        finally:
+            engine.close()
+
+    reads, after = run_threads(1, fn)[0]
+    (restarted, _, _) = reads.pop()
+    assert 0.0 <= restarted < 0.05, restarted
+    (before, busy, slack), = reads
+    assert 0.09 <= before <= busy <= before + slack + 1e-6, reads  # three sleeps of 30 ms; the pause left out
+    assert before < 0.1 + 0.09, reads
+    assert 0.0 <= after < 0.05, after  # from the arrival's return
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

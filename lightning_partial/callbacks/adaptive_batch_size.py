@@ -21,27 +21,61 @@ would only repeat the sizes: when every round of the window is synchronous,
 the round excluded), and the ranks split the strategy's step
 (``sync_round_samples``, ``R``: DDP's global batch by default) by speed:
 
-    q_i = R * s_i / sum_j s_j,  n = max_j ceil(q_j / B_j),  b_i = min(B_i, max(min_batch_size, round(q_i / n)))
+    q_i = R * s_i / sum_j s_j
 
-Every rank deposits ``n`` micro-batches, rank ``i`` of ``b_i``, and arrives at
-the round with the last (the first ``n - 1`` are held, ``DelayedAllreduce.deposit(
-arrive=False)``): every share takes about as long, and a round holds about one
-step, so its allreduce and its wait for the slowest are paid once per step
-(one micro-batch per rank and round, the fastest at ``B``, would make rounds
-of ``B * sum_j s_j / max_j s_j`` samples: under speeds 1, 1, 0.5, 0.25 and
-``R = 4B``, 1.45 rounds per step, each waiting for the slowest). No
-micro-batch exceeds its rank's loader batch, and the count is the same on
-every rank, so the ranks run their batches in lock-step: a collective that
-every rank issues once per batch (``sync_dist`` logging, ``all_gather``, a
-user's ``barrier``) pairs the same batches (with a count per
-rank, a rank holding a micro-batch would wait in it for a rank waiting in
-the round, until the timeout). What the shared count costs: the rank with
-the largest share relative to its loader batch sets ``n`` (loaders of 64, 64,
-8 and 8 at equal speeds make ``n = 5``: the 64-sample loaders run five
-micro-batches of about 7); the ``min_batch_size`` floor is paid ``n`` times,
-so a round can hold more than ``R``; and a per-batch collective's wait for
-the slowest rank counts as work in ``busy`` for the held micro-batches, which
-slows the adaptation (the sizes still settle where the shares balance). A
+so that every share takes about as long and a round holds about one step:
+its allreduce and its wait for the slowest are paid once per step (one
+micro-batch per rank and round, the fastest at ``B``, would make rounds of
+``B * sum_j s_j / max_j s_j`` samples: under speeds 1, 1, 0.5, 0.25 and
+``R = 4B``, 1.45 rounds per step, each waiting for the slowest). A rank
+computes its share as several micro-batches and arrives at the round with
+the last (the others are held, ``DelayedAllreduce.deposit(arrive=False)``);
+when it arrives is the ``arrival`` rule:
+
+* ``"count"`` (default, **Decision**: DDP's accuracy, where ``"time"`` is
+  faster and less accurate, see below): every rank deposits ``n = max_j
+  ceil(q_j / B_j)`` micro-batches, rank ``i``'s of ``b_i = min(B_i,
+  max(min_batch_size, round(q_i / n)))``, and arrives with the last: the same count on every
+  rank, so the ranks run their batches in lock-step and a per-batch
+  collective pairs the same batches (with a count per rank, a rank holding
+  a micro-batch would wait in it for a rank waiting in the round, until the
+  timeout). What the shared count costs: the rank with the largest share
+  relative to its loader batch sets ``n`` (loaders of 64, 64, 8 and 8 at
+  equal speeds make ``n = 5``: the 64-sample loaders run five micro-batches
+  of about 7); and a per-batch collective's wait for the slowest rank counts
+  as work in ``busy`` for the held micro-batches, which slows the adaptation
+  (the sizes still settle where the shares balance).
+* ``"time"``: each rank arrives after about ``T = R / sum_j s_j`` seconds of work (``ABSSGDStrategy.round_seconds``, the
+  same on every rank), with the micro-batch whose end is nearest to ``T``.
+  Its micro-batches are sized once, from the first window of synchronous
+  rounds, to about ``1 / slices`` of its share (``b_i = min(B_i,
+  max(min_batch_size, round(q_i / m)))``, ``m = max(slices, max_j
+  ceil(q_j / B_j))``); ``T`` follows the speeds every window, so a round
+  holds about ``R`` samples at the current sizes. The ranks' arrivals then
+  spread by about a micro-batch rather than by the noise of a whole share:
+  with 4 ranks on 2 cores a share's work varied by 11-15 ms from round to
+  round, and the round waited for the slowest of four such draws (arrivals
+  19 ms apart on rounds of 64 ms; by time 10 ms apart on rounds of 52 ms,
+  0.81 of the no-communication bound against 0.70). The sizes
+  stay put because a small micro-batch costs more per sample (what a batch
+  costs beyond its samples): re-measured at their own sizes the slow ranks'
+  speeds fell, their micro-batches shrank, and fell further, to one sample.
+  The ranks run different numbers of micro-batches per round, as under
+  ``delay=1``: a collective that every rank issues once per batch
+  (``sync_dist`` logging per step, ``all_gather``, a user's ``barrier``)
+  cannot pair. So a fit whose ``training_step`` issues one of the strategy's
+  collectives in the rounds before the first split (one micro-batch per rank
+  each, in lock-step) arrives by count, with a warning; one first issued
+  later is refused by the strategy with an error that names the fix
+  (``ABSSGDStrategy._before_collective``). What it costs: a round's samples
+  vary with the ranks' speeds from round to round (about 340 to 800 for
+  ``R = 512`` with 4 ranks on 2 cores), and over 24 seeds under SGD
+  momentum the accuracy ended 0.16 points below the count rule's on average,
+  with fits 1.0 and 0.9 points below (docs/staleness.md#arriving-by-time).
+
+No micro-batch exceeds its rank's loader batch under either rule, and the
+``min_batch_size`` floor is paid per micro-batch, so a round can hold more
+than ``R``. A
 batch that ends an epoch or the fit arrives whatever its count. Without a
 step size (``step_samples`` and ``reference_samples`` both ``None``)
 synchronous rounds keep one micro-batch per rank, sized by the first rule on
@@ -49,8 +83,9 @@ the measured speeds. The per-rank samples and busy seconds travel in every
 round's header, so every rank computes the same sizes for every rank at the
 same round, with no collective beyond the strategy's one at the start, and
 rank 0 can log all of them: ``abs/batch_size`` (this rank's),
-``abs/batch_size_rank{i}``, ``abs/micro_batches_rank{i}`` and
-``abs/samples_per_round_rank{i}``. Sizes are updated every ``window`` rounds;
+``abs/batch_size_rank{i}``, ``abs/micro_batches_rank{i}`` (under ``"time"``: ``m``, the
+micro-batches a share was sized for), ``abs/samples_per_round_rank{i}`` and, under
+``"time"``, ``abs/round_seconds``. Sizes are updated every ``window`` rounds;
 the next batch drawn has the new size (the strategy's
 :class:`~lightning_partial.data.ElasticBatchSampler`). A new fit starts over
 from the loaders' sizes.
@@ -58,6 +93,7 @@ from the loaders' sizes.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from typing import Any, Optional
@@ -69,6 +105,11 @@ import lightning.pytorch as pl
 from lightning_partial.collectives import RoundStats
 from lightning_partial.collectives.checks import check_int
 
+log = logging.getLogger(__name__)
+
+#: When a rank arrives at a synchronous round split by speed (see the module docstring).
+ARRIVALS: tuple[str, ...] = ("count", "time")
+
 
 class AdaptiveBatchSize(Callback):
     """Adapts this rank's micro-batch size to its measured share of the samples (see the module docstring).
@@ -79,16 +120,27 @@ class AdaptiveBatchSize(Callback):
             micro-batch exceeds its rank's loader batch.
         log: log the sizes to the Lightning loggers.
         history: how many updates to keep in :attr:`history` (the oldest are dropped).
+        arrival: in synchronous rounds split by speed, when a rank arrives: ``"count"`` (default) after the same
+            number of micro-batches on every rank (lock-step batches: a collective issued once per batch pairs),
+            ``"time"`` after about the round's time of work (faster, less accurate). See the module docstring.
+        slices: ``"time"``: about how many micro-batches a rank's share of a round is cut into (>= 1): the
+            finer, the closer the ranks arrive, and the more each round pays per batch.
     """
 
-    def __init__(self, window: int = 8, min_batch_size: int = 1, log: bool = True, history: int = 10_000) -> None:
+    def __init__(self, window: int = 8, min_batch_size: int = 1, log: bool = True, history: int = 10_000, *,
+                 arrival: str = "count", slices: int = 4) -> None:
         check_int("window", window, owner="AdaptiveBatchSize")
         check_int("min_batch_size", min_batch_size, owner="AdaptiveBatchSize")
         check_int("history", history, minimum=0, owner="AdaptiveBatchSize")
+        check_int("slices", slices, owner="AdaptiveBatchSize")
         if not isinstance(log, bool):
             raise ValueError(f"AdaptiveBatchSize: log must be a bool, got {log!r}")
+        if arrival not in ARRIVALS:
+            raise ValueError(f"AdaptiveBatchSize: unknown arrival {arrival!r}: expected one of {', '.join(ARRIVALS)}")
         self.window = window
         self.min_batch_size = min_batch_size
+        self.arrival = arrival
+        self.slices = slices
         # Not ``self.log``: Lightning sets every callback's ``log`` to the module's at fit start.
         self._log = log
         self.sizes: Optional[tuple[int, ...]] = None  # every rank's current size
@@ -102,6 +154,9 @@ class AdaptiveBatchSize(Callback):
         self._rank = 0
         self._strategy: Any = None
         self._pending_log: Optional[dict[str, float]] = None
+        # arrival="time": the sizes and nominal counts of the split, made once per fit (see the module docstring).
+        self._timed: Optional[tuple[tuple[int, ...], tuple[int, ...]]] = None
+        self._fit_arrival: Optional[str] = None  # this fit's rule, decided at its first split (_decide_arrival)
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -125,6 +180,7 @@ class AdaptiveBatchSize(Callback):
             raise RuntimeError("AdaptiveBatchSize: the abs_sgd strategy has no elastic sampler")
         # A new fit measures afresh (the strategy starts it at one micro-batch per round, the loaders' sizes).
         self.sizes = self.micro_batches = self._pending_log = None
+        self._timed = self._fit_arrival = None
         self._counts.clear()
 
     @property
@@ -132,6 +188,12 @@ class AdaptiveBatchSize(Callback):
         """Every rank's loader batch size (they may differ), as the strategy agreed them when its engines
         started: the rules need them all (the same micro-batch count on every rank; the sizes rank 0 logs)."""
         return getattr(self._strategy, "loader_batch_sizes", None)
+
+    @property
+    def fit_arrival(self) -> Optional[str]:
+        """The rule this fit's synchronous rounds arrive by: ``arrival``, or ``"count"`` when a training step
+        issues one of the strategy's collectives (decided at the first split; ``None`` before it)."""
+        return self._fit_arrival
 
     @property
     def base(self) -> Optional[int]:
@@ -155,8 +217,12 @@ class AdaptiveBatchSize(Callback):
             return
         round_samples = getattr(self._strategy, "sync_round_samples", None)
         split = synchronous and round_samples is not None
+        seconds: Optional[float] = None
         if split:
             sizes, counts = self._split(round_samples, shares)
+            if self._fit_arrival == "time":
+                # The window's summed speed at the current sizes: a round of T seconds holds about R samples.
+                seconds = round_samples / sum(shares)
         else:
             sizes = tuple(
                 # The loader's batch wins over the floor: no micro-batch exceeds it (min_batch_size may).
@@ -168,31 +234,57 @@ class AdaptiveBatchSize(Callback):
         strategy = self._strategy
         strategy.sampler.batch_size = sizes[self._rank]  # the current sampler (a reloaded loader has a new one)
         strategy.micro_batches_per_round = counts[self._rank]
+        strategy.round_seconds = seconds
         per_round = [n / len(self._counts) for n in samples]
         self._pending_log = {
             "abs/batch_size": float(sizes[self._rank]),
             **{f"abs/batch_size_rank{i}": float(b) for i, b in enumerate(sizes)},
             **{f"abs/micro_batches_rank{i}": float(n) for i, n in enumerate(counts)},
             **{f"abs/samples_per_round_rank{i}": float(x) for i, x in enumerate(per_round)},
+            **({"abs/round_seconds": seconds} if seconds is not None else {}),
         }
 
     def _split(self, round_samples: int, speeds: list[float]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Synchronous rounds: ``round_samples`` shared by speed, each share as ``n`` micro-batches of at most
-        the rank's loader batch, the same ``n`` on every rank.
+        the rank's loader batch; returns every rank's size and ``n``.
 
         Rank ``i``'s share is ``q_i = R * v_i / sum_j v_j``: every share takes about as long, and the round
         holds about ``R`` (the strategy's step: one allreduce per step, as DDP's). Every rank runs ``n =
-        max_j ceil(q_j / B_j)`` micro-batches of ``round(q_i / n)`` samples: never larger than its loader's
-        batch ``B_i`` (memory), and the ranks' batches stay in lock-step, so a collective that every rank issues once
-        per batch (``sync_dist`` logging, a user's ``barrier``) pairs the same batches on every
-        rank, as with one micro-batch per round.
+        max_j ceil(q_j / B_j)`` micro-batches of ``round(q_i / n)`` samples (``"count"``: the ranks' batches
+        stay in lock-step, so a collective that every rank issues once per batch pairs the same batches), or
+        about ``n = max(slices, max_j ceil(q_j / B_j))`` of them, which ``"time"`` sizes once per fit (its
+        ranks arrive by time, so the count is nominal): never larger than the loader's batch ``B_i`` (memory).
         """
+        if self._fit_arrival is None:
+            self._fit_arrival = self._decide_arrival()
+        if self._fit_arrival == "time" and self._timed is not None:
+            return self._timed
         assert self.bases is not None
         total = sum(speeds)
         quotas = [round_samples * v / total for v in speeds]
         n = max(1, *(math.ceil(q / base) for q, base in zip(quotas, self.bases)))
+        if self._fit_arrival == "time":
+            n = max(n, self.slices)
         sizes = tuple(min(base, max(self.min_batch_size, round(q / n))) for q, base in zip(quotas, self.bases))
+        if self._fit_arrival == "time":
+            self._timed = (sizes, (n,) * len(sizes))
         return sizes, (n,) * len(sizes)
+
+    def _decide_arrival(self) -> str:
+        """The fit's arrival rule, at its first split: ``arrival``, but ``"count"`` when a training step has
+        issued one of the strategy's collectives (``ABSSGDStrategy.batch_collectives``). The rounds before the
+        first split run one micro-batch per rank each, in lock-step, so every rank has seen the same batches
+        and decides alike; a per-batch collective first issued after the split is refused by the strategy."""
+        if self.arrival == "time" and getattr(self._strategy, "batch_collectives", False):
+            if self._rank == 0:
+                log.warning(
+                    "AdaptiveBatchSize: training_step issues a collective (self.log(..., sync_dist=True), "
+                    "all_gather, a barrier), which pairs only batches run in lock-step: the ranks arrive by count "
+                    "in this fit (arrival='count'), which is slower than by time; log per rank (sync_dist=False) "
+                    "or per epoch (on_step=False, on_epoch=True) to arrive by time"
+                )
+            return "count"
+        return self.arrival
 
     def _shares(self, samples: list[int]) -> tuple[list[float], bool]:
         """Each rank's speed over the window, from its ``samples`` there: samples per round, or samples per

@@ -449,6 +449,16 @@ class DelayedAllreduce(PartialAllreduce):
             limit = self._snapshotted - 1 if self._stop_round is None else self._stop_round
         return self._take_due(limit=limit)
 
+    def work_since_arrival(self) -> float:
+        """Caller's thread: seconds of work behind what this rank would contribute if it arrived now: the
+        micro-batches it holds (their ``busy``, as the round's header will report it) and the time since its
+        last :meth:`deposit` returned (the micro-batch just computed). Waits in the engine and pauses are not
+        work. A synchronous round's arrival by time (``AdaptiveBatchSize(arrival="time")``) reads it."""
+        now = time.monotonic()
+        with self._cond:
+            held = sum(d.busy for d in self._deposits())
+        return held + (0.0 if self._returned_at is None else now - self._returned_at)
+
     @property
     def holding(self) -> bool:
         """Whether this rank holds micro-batches for a synchronous round it has not arrived at (caller's thread).
@@ -478,6 +488,13 @@ class DelayedAllreduce(PartialAllreduce):
         finally:
             self._returned_at = time.monotonic()  # the wait is no micro-batch's work (as in deposit())
 
+    def restart_work_clock(self) -> None:
+        """Caller's thread: the next micro-batch's work (its ``busy``) is counted from now, not from the last
+        :meth:`deposit`'s return: what the caller did in between (an epoch's end: validation, its hooks, a new
+        loader's start) is no micro-batch's work, and would read as a slow rank."""
+        if self._returned_at is not None:
+            self._returned_at = time.monotonic()
+
     def pause(self) -> None:
         """This rank activates no round until :meth:`resume` (caller's thread; returns once it holds)."""
         with self._activation_lock:
@@ -490,8 +507,7 @@ class DelayedAllreduce(PartialAllreduce):
         The next micro-batch's work is counted from here: what the caller did while
         paused (agreeing on a round, saving a checkpoint) is not a micro-batch's work.
         """
-        if self._returned_at is not None:
-            self._returned_at = time.monotonic()
+        self.restart_work_clock()
         wake: Optional[int] = None
         with self._activation_lock:
             with self._cond:

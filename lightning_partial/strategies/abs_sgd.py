@@ -63,8 +63,10 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   no staleness rule, and ``trigger``, ``target_samples``, ``interval`` and
   ``final_sync`` have nothing left to do. The ranks still contribute different
   samples (with :class:`~lightning_partial.callbacks.AdaptiveBatchSize`, each
-  rank's share of a step sized to its measured speed, as the same number of
-  micro-batches on every rank, so that the ranks finish together and a round is one step);
+  rank's share of a step sized to its measured speed, so that the ranks finish together and a
+  round is one step: by default as the same number of micro-batches on every rank, in lock-step;
+  with ``arrival="time"`` each rank arrives with the micro-batch that ends nearest to the round's
+  time, ``round_seconds``, read from ``DelayedAllreduce.work_since_arrival``);
   what a round costs beyond the slowest share is its allreduce, no longer
   hidden behind the next micro-batches. ``"auto"`` (default): ``0`` when every
   optimizer is Adam-like (``betas``) or an ``AdaptiveBatchSize`` callback is in
@@ -402,8 +404,16 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         #: the same value: the ranks' batches stay in lock-step, so a per-batch collective pairs the same batches;
         #: main thread only): the first ``n - 1`` of each round are deposited without arriving.
         self.micro_batches_per_round = 1
+        #: Seconds of work per synchronous round (``AdaptiveBatchSize(arrival="time")`` sets it at the same round
+        #: on every rank, to the same value; main thread only): a rank arrives with the micro-batch whose end is
+        #: nearest to it, whatever ``micro_batches_per_round`` says. ``None``: by count.
+        self.round_seconds: Optional[float] = None
         #: The samples AdaptiveBatchSize makes a synchronous round hold (resolved at the start of fit).
         self.sync_round_samples: Optional[int] = None
+        #: Whether a training step's closure issued one of the strategy's collectives in this fit (main thread
+        #: only; see ``_before_collective``): ``AdaptiveBatchSize(arrival="time")`` then arrives by count.
+        self.batch_collectives = False
+        self._in_closure = False
         self._held: dict[int, int] = {}  # per optimizer: micro-batches deposited since this rank last arrived
         # The batch now starting ends the epoch or the fit: True, it arrives whatever n is; False, it does not
         # (the epoch ends before the synchronous finish begins); None: by n (``_epoch_end_arrival``).
@@ -730,6 +740,12 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         engine = self._engines.get(0)
         if engine is None:
             return
+        if batch_idx == 0:
+            # The epoch's end (validation, hooks, the loader's start) is no micro-batch's work: counted as
+            # busy it would read as a slow window, and under AdaptiveBatchSize(arrival="time") lengthen the
+            # rounds' time by it.
+            for each in self._engines.values():
+                each.restart_work_clock()
         trainer = self._trainer
         self._save_boundary = self._last_batch(engine.progress(), trainer.current_epoch)[1]
         super().on_train_batch_start(batch, batch_idx)  # the queued saves (step and time), in round order
@@ -742,6 +758,44 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             self._arrive_now = self._epoch_end_arrival(ends, progress, self._save_boundary)
             if ends == "fit":
                 trainer.should_stop = True
+
+    def _run_closure(self, closure: Callable[[], Any]) -> Any:
+        """The micro-batch's closure (``training_step``, its backward and their hooks), marked for
+        :meth:`_before_collective`."""
+        self._in_closure = True
+        try:
+            return closure()
+        finally:
+            self._in_closure = False
+
+    @override
+    def _before_collective(self, what: str) -> None:
+        """A collective issued in a training step's closure (``training_step``, ``on_before_backward``,
+        ``on_after_backward``: ``self.log(..., sync_dist=True)``, ``all_gather``, a barrier) pairs the same
+        batch on every rank only while the ranks run their batches in lock-step: every round synchronous
+        (``delay=0``), each rank arriving after the same number of micro-batches. Recorded
+        (``batch_collectives``: ``AdaptiveBatchSize(arrival="time")`` then arrives by count; its first window
+        runs in lock-step, so every rank records the same) and refused otherwise, before this rank enters the
+        collective (the others fail through the engine when it stops), so the fit fails at once rather than in
+        a wait for a batch another rank never runs (until ``timeout``). Per-batch collectives in other hooks
+        (``on_train_batch_end``, a callback's) are not seen here. One rank pairs with itself: nothing to check."""
+        if not self._in_closure or self.world_size < 2:
+            return  # epoch ends, checkpoints, validation: points every rank reaches at the same round
+        self.batch_collectives = True
+        if self._delay == 0 and self.round_seconds is None:
+            return
+        why = ("delay=1, the rounds asynchronous" if self._delay != 0 else
+               "AdaptiveBatchSize(arrival='time'), each rank arriving after about the round's time of work")
+        last = self._last_round()
+        raise RuntimeError(
+            f"abs_sgd: {what} in a training step (training_step, backward and their hooks) on rank"
+            f" {self.global_rank} (epoch {self._trainer.current_epoch}, "
+            + ("before the first round" if last is None else f"round {last} applied") + f"): with {why}, the ranks run different numbers of batches, so a"
+            " collective issued per batch cannot pair the same batch on every rank. Log per rank (sync_dist=False)"
+            " or per epoch (on_step=False, on_epoch=True: reduced at the epoch end, which every rank reaches at"
+            " the same round); or run the batches in lock-step: delay=0 (with AdaptiveBatchSize(arrival='count')"
+            " if any)"
+        )
 
     @staticmethod
     def _last_batch(progress: RoundProgress, epoch: int) -> tuple[Optional[str], Optional[int]]:
@@ -820,25 +874,33 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         prediction = self._prediction_in_force()
         steps_before = self._accumulator.steps(index)  # the weights this micro-batch's gradient is computed on
         if prediction is None:
-            output = closure()
+            output = self._run_closure(closure)
         else:
             # The micro-batch's gradient is applied one round late, to weights one update further on:
             # computed there (the weights are restored exactly afterwards).
             saved = prediction.begin(index, params)
             with prediction.predicted(index, params, saved):
-                output = closure()
+                output = self._run_closure(closure)
             prediction.release(index, saved)  # not held while the results are applied
         grads = self._with_presence([p.grad if p.grad is not None else torch.zeros_like(p) for p in params], params,
                                     [p.grad is not None for p in params])
         samples = max(self._batch_samples, 1)
         # In synchronous rounds every rank arrives with the last of its ``micro_batches_per_round`` (counted
-        # from its first synchronous deposit: the ranks' batches stay in lock-step; the engine ignores
-        # ``arrive`` in asynchronous rounds). In the finish, steps happen only at arrivals, so every rank
+        # from its first synchronous deposit: the ranks' batches stay in lock-step), or by time under
+        # ``round_seconds`` (the counts differ then); the engine ignores ``arrive`` in asynchronous rounds. In the finish, steps happen only at arrivals, so every rank
         # reaches a step checkpoint's save (at the next batch start) before it arrives again; at the switch,
         # the engine holds the first arrival of a rank with earlier rounds still to apply (their saves may
         # be running on the other ranks) and hands those rounds instead.
         held = self._held.get(index, 0) + 1
-        arrive = held >= self.micro_batches_per_round if self._arrive_now is None else self._arrive_now
+        if self._arrive_now is not None:
+            arrive = self._arrive_now
+        elif self.round_seconds is not None:
+            # By time: arriving now ends this rank's share nearer to the round's time than one more
+            # micro-batch (of the mean length of this round's so far) would.
+            work = engine.work_since_arrival()
+            arrive = work + work / held / 2 >= self.round_seconds
+        else:
+            arrive = held >= self.micro_batches_per_round
         # A batch that does not end its epoch (as its start saw the rounds) gives the epoch: if the rounds end
         # it meanwhile, the next batch, which ends it, is the one that arrives (as on every other rank).
         epoch = self._trainer.current_epoch if self._arrive_now is None else None
@@ -1003,6 +1065,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self.step_lags.reset()
         self._warned_capped = False
         self.micro_batches_per_round, self._held, self._arrive_now = 1, {}, None
+        self.round_seconds, self.batch_collectives = None, False
         self._end_boundary = None
         trainer = self._trainer
         if self._engines:

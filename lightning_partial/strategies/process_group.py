@@ -258,10 +258,15 @@ class ProcessGroupStrategy(ParallelStrategy):
         rank, ``what`` and the last round (gloo's own error names only the peer's address)."""
         return naming_failure(what, rank=self.global_rank, round_index=self._last_round(), last=True)
 
+    def _before_collective(self, what: str) -> None:
+        """Main thread, before each of the strategy's own collectives (``barrier``, ``broadcast``, ``reduce``,
+        ``all_gather``), naming it: a subclass refuses one that could not pair on every rank. Nothing here."""
+
     @override
     def barrier(self, name: Optional[str] = None, *args: Any, **kwargs: Any) -> None:
         if not _compat._distributed_is_initialized():
             return
+        self._before_collective("a barrier")
         with self._naming_failure("the strategy's barrier" + (f" {name!r}" if name else "")):
             dist.barrier(group=self.collective_group)
 
@@ -269,6 +274,7 @@ class ProcessGroupStrategy(ParallelStrategy):
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _compat._distributed_is_initialized():
             return obj
+        self._before_collective("a broadcast")
         box = [obj]
         with self._naming_failure(f"the strategy's broadcast from rank {src}"):
             dist.broadcast_object_list(box, src, group=self.collective_group)
@@ -280,6 +286,8 @@ class ProcessGroupStrategy(ParallelStrategy):
     ) -> Tensor:
         if not isinstance(tensor, Tensor):
             return tensor
+        if _compat._distributed_is_initialized():
+            self._before_collective("a reduce (as self.log(..., sync_dist=True) issues)")
 
         def sync(t: Tensor, on: Optional[Any]) -> Tensor:
             with self._naming_failure(f"the strategy's reduce ({reduce_op})"):
@@ -303,6 +311,8 @@ class ProcessGroupStrategy(ParallelStrategy):
             with self._naming_failure("the strategy's all_gather"):
                 return _compat._all_gather_ddp_if_available(t, group=on, sync_grads=sync_grads)
 
+        if _compat._distributed_is_initialized():
+            self._before_collective("an all_gather")
         if not self._is_default(group):
             return gather(tensor, group)
         host = tensor.cpu() if self._collective_group is not None and tensor.is_cuda else tensor  # keeps autograd

@@ -76,6 +76,8 @@ class Regressor(L.LightningModule):
         self.weight_decay = 0.0
         self.optimizer = "sgd"
         self.sync_dist = False
+        self.sync_dist_from: int | None = None  # --sync-dist from this rank's training step on
+        self._training_steps = 0
         self.sleep_at: tuple[int, int, float] | None = None  # (batch, rank, seconds)
         self.sigterm_at: tuple[int, int] | None = None  # (batch, rank)
         self.exit_at: tuple[int, int] | None = None  # (batch, rank)
@@ -108,7 +110,9 @@ class Regressor(L.LightningModule):
         if self.rank0_only is not None and self.global_rank == 0 and batch_idx % 2:
             loss = loss + self.rank0_only(x).pow(2).mean()
         self.log("train_loss", loss)
-        if self.sync_dist:  # the strategy's own collectives, every step
+        self._training_steps += 1
+        if self.sync_dist or (self.sync_dist_from is not None and self._training_steps > self.sync_dist_from):
+            # the strategy's own collectives, every step
             self.log("synced_loss", loss.detach(), sync_dist=True)
             self.all_gather(loss.detach())
             self.trainer.strategy.barrier("fit.py")
@@ -173,9 +177,11 @@ class RoundLog(L.Callback):
     def __init__(self) -> None:
         self.rounds: list[list[Any]] = []
         self.members: list[list[Any]] = []
+        self.counts: list[list[int]] = []  # per round, every rank's contribution (abs_sgd: its samples)
 
     def _append(self, stats: Any) -> None:
         self.rounds.append([stats.round_index, stats.synchronous, getattr(stats, "sync_from", None)])
+        self.counts.append(list(stats.counts))
         averaged = getattr(stats, "averaged", None)
         self.members.append([None if averaged is None else list(averaged), list(stats.fresh)])
 
@@ -274,6 +280,8 @@ def main() -> None:
     parser.add_argument("--spy", action="store_true", help="count default-group collectives while batches run")
     parser.add_argument("--sync-dist", action="store_true",
                         help="log with sync_dist=True, all_gather and barrier in every training step")
+    parser.add_argument("--sync-dist-from", type=int, default=None,
+                        help="as --sync-dist, from this rank's training step N + 1 on")
     parser.add_argument("--rotation", type=int, default=None, help="add a GroupRotation(consensus_every=N)")
     parser.add_argument("--strategy-kw", default="{}", help="JSON keyword arguments of a configured strategy")
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d layer (per-replica buffers)")
@@ -287,6 +295,8 @@ def main() -> None:
     parser.add_argument("--val-seconds", type=float, default=None,
                         help="Trainer(val_check_interval=SECONDS as a time); 64 validation samples, 16 per rank")
     parser.add_argument("--adaptive", action="store_true", help="add an AdaptiveBatchSize(window=4, min_batch_size=2) (abs_sgd)")
+    parser.add_argument("--arrival", choices=("count", "time"), default="count",
+                        help="--adaptive's arrival rule (default: count, the callback's)")
     parser.add_argument("--step-scheduler", action="store_true", help="a StepLR stepped per optimizer step")
     parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (the staleness rule reads it)")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="the optimizer's weight decay")
@@ -358,6 +368,7 @@ def main() -> None:
     model.weight_decay = args.weight_decay
     model.optimizer = args.optimizer
     model.sync_dist = args.sync_dist
+    model.sync_dist_from = args.sync_dist_from
     if args.sleep_at is not None:
         batch, rank, seconds = args.sleep_at.split(":")
         model.sleep_at = (int(batch), int(rank), float(seconds))
@@ -391,7 +402,8 @@ def main() -> None:
     saver = None
     if args.save_at is not None or args.save_epoch is not None:
         saver = SaveAt(args.out / "mid.ckpt", step=args.save_at, epoch=args.save_epoch)
-    adaptive = AdaptiveBatchSize(window=4, min_batch_size=2) if args.adaptive else None  # BatchNorm needs 2
+    # BatchNorm needs 2 samples.
+    adaptive = AdaptiveBatchSize(window=4, min_batch_size=2, arrival=args.arrival) if args.adaptive else None
     epochs = EpochProbe()
     rounds = RoundLog()
     checkpoints = None
@@ -468,12 +480,15 @@ def main() -> None:
                                 "contributions": last.contributions} if last is not None else None
         record["rounds"] = rounds.rounds
         record["round_members"] = rounds.members
+        record["round_counts"] = rounds.counts
         lags = getattr(trainer.strategy, "step_lags", None)
         if lags is not None:
             record["step_lags"] = {str(lag): n for lag, n in lags.histogram(0).items()}
         if adaptive is not None:
             record["adaptive"] = [[r, list(sizes), list(counts), split] for r, sizes, counts, split in adaptive.history]
             record["adaptive_bases"] = list(adaptive.bases or ())
+            record["round_seconds"] = trainer.strategy.round_seconds  # the last set (arrival="time")
+            record["fit_arrival"] = adaptive.fit_arrival
         if rotation is not None:
             record["groups"] = [asdict(r) for r in rotation.history]
         if tracker is not None:
