@@ -73,6 +73,9 @@ when it arrives is the ``arrival`` rule:
   momentum the accuracy ended 0.16 points below the count rule's on average,
   with fits 1.0 and 0.9 points below (docs/staleness.md#arriving-by-time).
 
+Under ``delay=1`` the rules apply to the synchronous finish's rounds, the
+only ones split there.
+
 No micro-batch exceeds its rank's loader batch under either rule, and the
 ``min_batch_size`` floor is paid per micro-batch, so a round can hold more
 than ``R``. A
