@@ -260,18 +260,18 @@ class AdaptiveBatchSize(Callback):
         """
         if self._fit_arrival is None:
             self._fit_arrival = self._decide_arrival()
-        if self._fit_arrival == "time" and self._timed is not None:
+        timed = self._fit_arrival == "time"
+        if timed and self._timed is not None:
             return self._timed
         assert self.bases is not None
         total = sum(speeds)
         quotas = [round_samples * v / total for v in speeds]
-        n = max(1, *(math.ceil(q / base) for q, base in zip(quotas, self.bases)))
-        if self._fit_arrival == "time":
-            n = max(n, self.slices)
+        n = max(1, *(math.ceil(q / base) for q, base in zip(quotas, self.bases)), self.slices if timed else 1)
         sizes = tuple(min(base, max(self.min_batch_size, round(q / n))) for q, base in zip(quotas, self.bases))
-        if self._fit_arrival == "time":
-            self._timed = (sizes, (n,) * len(sizes))
-        return sizes, (n,) * len(sizes)
+        split = (sizes, (n,) * len(sizes))
+        if timed:
+            self._timed = split
+        return split
 
     def _decide_arrival(self) -> str:
         """The fit's arrival rule, at its first split: ``arrival``, but ``"count"`` when a training step has
@@ -281,7 +281,7 @@ class AdaptiveBatchSize(Callback):
         if self.arrival == "time" and getattr(self._strategy, "batch_collectives", False):
             if self._rank == 0:
                 log.warning(
-                    "AdaptiveBatchSize: training_step issues a collective (self.log(..., sync_dist=True), "
+                    "AdaptiveBatchSize: a training step issues a collective (self.log(..., sync_dist=True), "
                     "all_gather, a barrier), which pairs only batches run in lock-step: the ranks arrive by count "
                     "in this fit (arrival='count'), which is slower than by time; log per rank (sync_dist=False) "
                     "or per epoch (on_step=False, on_epoch=True) to arrive by time"

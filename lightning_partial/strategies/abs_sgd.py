@@ -787,14 +787,14 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         why = ("delay=1, the rounds asynchronous" if self._delay != 0 else
                "AdaptiveBatchSize(arrival='time'), each rank arriving after about the round's time of work")
         last = self._last_round()
+        where = "before the first round" if last is None else f"round {last} applied"
         raise RuntimeError(
             f"abs_sgd: {what} in a training step (training_step, backward and their hooks) on rank"
-            f" {self.global_rank} (epoch {self._trainer.current_epoch}, "
-            + ("before the first round" if last is None else f"round {last} applied") + f"): with {why}, the ranks run different numbers of batches, so a"
-            " collective issued per batch cannot pair the same batch on every rank. Log per rank (sync_dist=False)"
-            " or per epoch (on_step=False, on_epoch=True: reduced at the epoch end, which every rank reaches at"
-            " the same round); or run the batches in lock-step: delay=0 (with AdaptiveBatchSize(arrival='count')"
-            " if any)"
+            f" {self.global_rank} (epoch {self._trainer.current_epoch}, {where}): with {why}, the ranks run"
+            " different numbers of batches, so a collective issued per batch cannot pair the same batch on every"
+            " rank. Log per rank (sync_dist=False) or per epoch (on_step=False, on_epoch=True: reduced at the"
+            " epoch end, which every rank reaches at the same round); or run the batches in lock-step: delay=0"
+            " (with AdaptiveBatchSize(arrival='count') if any)"
         )
 
     @staticmethod
