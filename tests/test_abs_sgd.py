@@ -249,6 +249,42 @@ def test_arrival_by_time_applies_every_sample_once_in_rounds_of_about_a_step(tmp
     assert share[3] < min(share[0], share[1]), (share, timed)
 
 
+@pytest.mark.timeout(300)
+def test_arrival_by_samples_closes_every_round_within_half_a_micro_batch_of_the_step(tmp_path):
+    """AdamW under speeds 1, 1, 0.5, 0.25 at the defaults (``delay=0``) with ``AdaptiveBatchSize(arrival="samples")``:
+    the first window sizes every rank's share as about 4 micro-batches once and hands every rank's sizes to the
+    strategy (``round_fill``, the same on every rank); each rank counts its micro-batches into the round in the
+    store and arrives by ``closes_round``, so every round after the first window's holds the step of 4 x 16
+    samples to within half the largest micro-batch, but each epoch's last (its last batches arrive whatever the
+    count); every micro-batch is applied by the step of its own round (step lag 0), each sample once; the
+    epoch-end checkpoint (collective) finds no rank in a round; replicas end bit-identical."""
+    out = tmp_path / "run"
+    records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--optimizer", "adamw", "--adaptive",
+                      "--arrival", "samples", "--save-epoch", "0")
+    assert_identical(out)
+    assert (out / "mid.ckpt").is_file()
+    assert all(r["update_rule"]["delay"] == 0 for r in records), records[0]["update_rule"]
+    for record in records:
+        lags = {int(k): n for k, n in record["step_lags"].items()}
+        assert set(lags) == {0} and lags[0] == sum(record["epoch_samples"]), (lags, record["epoch_samples"])
+    updates = records[0]["adaptive"]
+    assert updates and all(u == records[1]["adaptive"][i] for i, u in enumerate(updates))  # the same everywhere
+    assert len({(tuple(u[1]), tuple(u[2])) for u in updates}) == 1 and all(u[3] for u in updates), updates
+    sizes = updates[0][1]
+    assert max(sizes) <= 16 and [(r["fit_arrival"], r["round_fill"], r["round_seconds"]) for r in records] == [
+        ("samples", sizes, None)] * 4, records[0]
+    epoch_ends, total = set(), 0
+    for k in range(2):
+        total += sum(r["epoch_samples"][k] for r in records)
+        epoch_ends.add(total)
+    first, held, total = updates[0][0], [], 0
+    for (r, *_), counts in zip(records[0]["rounds"], records[0]["round_counts"]):
+        total += sum(counts)
+        if r > first + 1 and total not in epoch_ends:
+            held.append(sum(counts))
+    assert len(held) > 20 and all(abs(n - 64) <= max(sizes) / 2 for n in held), (sizes, held)
+
+
 @pytest.fixture(scope="module")
 def epoch_end_checkpoint(tmp_path_factory):
     """``first(final_sync)``: the directory of a 2-epoch fit that saved ``mid.ckpt`` at its first epoch's end, one
@@ -274,7 +310,7 @@ def test_no_micro_batch_exceeds_the_loaders_batch_whatever_the_floor():
 
     from types import SimpleNamespace
 
-    for arrival, count in (("count", 2), ("time", 4)):  # "time": about slices=4 micro-batches per share
+    for arrival, count in (("count", 2), ("time", 4), ("samples", 4)):  # by time, samples: about slices=4 per share
         callback = AdaptiveBatchSize(window=1, min_batch_size=16, log=False, arrival=arrival)
         callback._strategy = SimpleNamespace(loader_batch_sizes=(8, 8))  # as the strategy agreed them
         assert callback._split(32, [1.0, 1.0]) == ((8, 8), (count, count)), arrival
@@ -556,6 +592,33 @@ def test_arrival_by_time_sizes_a_share_once_and_times_every_round():
     assert callback.sizes == (4, 4, 4, 4) and strategy.round_seconds == pytest.approx(64 / 640)
 
 
+def test_arrival_by_samples_sizes_a_share_once_and_hands_every_ranks_sizes_to_the_strategy():
+    """``arrival="samples"``: the shares are sized as by time (once per fit, about ``slices`` micro-batches each),
+    and every rank's sizes go to the strategy (``round_fill``, the same tuple on every rank), no round time;
+    asynchronous rounds arrive by their trigger (``round_fill`` unset)."""
+    from lightning_partial.collectives import RoundStats
+
+    def stats(r: int, busy, synchronous: bool = True) -> RoundStats:
+        counts = (16, 16, 8, 4)
+        return RoundStats(round_index=r, activator=-1, initiator=None, synchronous=synchronous, flush=False,
+                          fresh=(), counts=counts, staleness=(0,) * 4, oldest_staleness=(0,) * 4, progress=(),
+                          dropped=(0,) * 4, contributions=sum(counts), divisor=float(sum(counts)), busy=busy)
+
+    strategy = SimpleNamespace(sampler=SimpleNamespace(batch_size=16), loader_batch_sizes=(16,) * 4,
+                               sync_round_samples=64, micro_batches_per_round=1, round_seconds=None, round_fill=None)
+    callback = AdaptiveBatchSize(window=2, log=False, arrival="samples")
+    callback._strategy = strategy
+    for r in range(2):
+        callback._on_round(0, stats(r, (0.1, 0.1, 0.2, 0.2)))
+    assert callback.sizes == (7, 7, 2, 1) and strategy.round_fill == (7, 7, 2, 1) and strategy.round_seconds is None
+    for r in range(2, 4):  # faster: the sizes stay
+        callback._on_round(0, stats(r, (0.05, 0.05, 0.1, 0.1)))
+    assert strategy.round_fill == (7, 7, 2, 1) and callback.fit_arrival == "samples"
+    for r in range(4, 6):
+        callback._on_round(0, stats(r, (0.1,) * 4, synchronous=False))
+    assert callback.sizes == (16, 16, 8, 4) and strategy.round_fill is None
+
+
 def test_the_shared_micro_batch_count_is_set_by_the_smallest_loader_relative_to_its_share():
     """Loaders of 64, 64, 8 and 8 at equal speeds, a step of 144: shares of 36, so the 8-sample loaders need
     ``ceil(36 / 8) = 5`` micro-batches and every rank runs 5, of ``round(36 / 5) = 7``; with a floor of 9 the
@@ -737,20 +800,22 @@ def test_synchronous_rounds_split_by_speed_keep_lock_step_when_the_ranks_loaders
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("late", [False, True], ids=["delay1", "after-the-first-window"])
+@pytest.mark.parametrize("late", [None, "time", "samples"], ids=["delay1", "time", "samples"])
 def test_a_collective_in_training_step_that_cannot_pair_fails_at_once_on_every_rank(tmp_path, late):
     """The module logs with ``sync_dist=True`` (and gathers, and waits in a barrier) in training steps where the
     ranks run different numbers of batches: under ``delay=1`` from the first step; under AdaptiveBatchSize's
-    default arrival by time from step 13, after its first window (4 rounds in lock-step, no collective seen)
-    set the rounds' time. Every rank refuses the collective before entering it, naming the setting and the fix,
+    arrival by time or by samples from step 13, after its first window (4 rounds in lock-step, no collective
+    seen) set the rule. Every rank refuses the collective before entering it, naming the setting and the fix,
     so the fit fails in seconds rather than at the 30-minute ``timeout``."""
-    extra = (["--adaptive", "--arrival", "time", "--sync-dist-from", "12"] if late else
+    extra = (["--adaptive", "--arrival", late, "--sync-dist-from", "12"] if late else
              ["--sync-dist", "--strategy-kw", json.dumps({"delay": 1})])
     proc = forkrun.run(fit_command(tmp_path / "run", "--strategy", "abs_sgd", "--speed", "1,1,0.5,0.25",
                                    "--max-epochs", "2", *extra, launch="fork"), env=FIT_ENV, timeout=240)
     assert proc.returncode != 0
-    why = ("AdaptiveBatchSize(arrival='time'), each rank arriving after about the round's time of work" if late
-           else "delay=1, the rounds asynchronous")
+    why = {None: "delay=1, the rounds asynchronous",
+           "time": "AdaptiveBatchSize(arrival='time'), each rank arriving after about the round's time of work",
+           "samples": "AdaptiveBatchSize(arrival='samples'), each rank arriving once the round holds about its "
+                      "samples"}[late]
     assert re.search(r"in a training step \(training_step, backward and their hooks\) on rank \d \(epoch 0, ",
                      proc.stderr) and why in proc.stderr, proc.stderr[-4000:]
     assert "cannot pair the same batch on every rank. Log per rank (sync_dist=False)" in proc.stderr

@@ -173,7 +173,7 @@ CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("LoadImbalance stragglers -1", lambda: LoadImbalance(stragglers=-1), r"stragglers"),
     ("AdaptiveBatchSize window 0", lambda: AdaptiveBatchSize(window=0), r"window"),
     ("AdaptiveBatchSize unknown arrival", lambda: AdaptiveBatchSize(arrival="tide"),
-     r"unknown arrival 'tide': expected one of count, time"),
+     r"unknown arrival 'tide': expected one of count, samples, time"),
     ("AdaptiveBatchSize slices 0", lambda: AdaptiveBatchSize(slices=0), r"slices must be an integer >= 1"),
     ("GroupRotation consensus_every 0", lambda: GroupRotation(consensus_every=0), r"consensus_every"),
     ("GroupRotation switch_at round 0", lambda: GroupRotation(switch_at={0: ButterflySchedule(world_size=4, group_size=2)}),

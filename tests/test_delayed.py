@@ -51,23 +51,35 @@ def end_of_fit(engine: DelayedAllreduce, rank: int, barrier: threading.Barrier, 
 
 
 def train(config: DelayedConfig, *, delays_ms: tuple[float, ...], agree: dict, keep_stats: bool = False,
-          hold: tuple[int, ...] = (1,) * P) -> callable:
+          hold: tuple[int, ...] = (1,) * P, fill: tuple[tuple[int, ...], int] | None = None) -> callable:
     """Each rank deposits micro-batches until the final round, then agrees on the last round and finishes;
     ``keep_stats``: each handed result's record carries its ``stats.busy`` and ``stats.wait_time`` too; ``hold``:
-    rank ``i`` arrives with every ``hold[i]``-th micro-batch (``arrive=False`` for the others)."""
+    rank ``i`` arrives with every ``hold[i]``-th micro-batch (``arrive=False`` for the others); ``fill=(sizes,
+    R)``: rank ``i``'s micro-batches hold ``sizes[i]`` samples, each counted into its round in the store
+    (``count_round_samples``; the counts kept as ``counted``), and a rank arrives by abs_sgd's rule
+    (``closes_round``) instead of ``hold``."""
+    from lightning_partial.strategies.abs_sgd import closes_round
+
     barrier = threading.Barrier(P)
 
     def fn(rank: int, store: dist.Store) -> dict:
         engine = DelayedAllreduce(config, store=store, rank=rank, world_size=P,
                                   like=[torch.zeros(3, dtype=torch.float64)]).start()
-        deposits, handed_at, durations = [], [], []
+        deposits, handed_at, durations, counted = [], [], [], []
         try:
             k = 0
             while engine.final_round is None:
                 time.sleep(delays_ms[rank] / 1000)
                 g, b = grad_of(rank, k), samples_of(rank, k)
+                arrive = (k + 1) % hold[rank] == 0
+                if fill is not None:
+                    sizes, target = fill
+                    b = sizes[rank]
+                    count = engine.count_round_samples(b)
+                    counted.append(count)
+                    arrive = count is None or closes_round(count, b, sum(sizes) - b, target)
                 called = time.perf_counter()
-                results = engine.deposit([g], samples=b, arrive=(k + 1) % hold[rank] == 0)
+                results = engine.deposit([g], samples=b, arrive=arrive)
                 durations.append(time.perf_counter() - called)
                 into = engine.deposit_round  # the round that takes this micro-batch
                 deposits.append((g, b, into, engine.started_round))
@@ -78,11 +90,17 @@ def train(config: DelayedConfig, *, delays_ms: tuple[float, ...], agree: dict, k
                     raise AssertionError("the final round never came")
             last, final = end_of_fit(engine, rank, barrier, agree)
             return {"deposits": deposits, "handed_at": handed_at, "durations": durations, "final": final, "last": last,
+                    "counted": counted, "keys": engine_keys(store, config.name, range(engine.step + 1)),
                     "final_round": engine.final_round, "fresh_from": engine.fresh_from, "state": engine.state_dict()}
         finally:
             engine.close()
 
     return fn
+
+
+def engine_keys(store: dist.Store, name: str, rounds) -> list[str]:
+    """The rounds among ``rounds`` whose sample count (``s/<q>``) is still in the store."""
+    return [q for q in rounds if store.check([f"lightning_partial/{name}/ctl/s/{q}"])]
 
 
 @pytest.fixture(scope="module")
@@ -256,6 +274,39 @@ def test_synchronous_from_the_first_round_hands_every_result_at_once_and_measure
     for record, rank_waits in zip(records, waits):
         assert all(0.0 <= w <= d for w, d in zip(rank_waits, record["durations"])), (rank_waits, record["durations"])
     assert sum(waits[0]) > sum(waits[P - 1]), waits
+
+
+def test_rounds_that_close_on_samples_hold_the_step_to_within_half_a_micro_batch():
+    """``sync_from=0``, micro-batches of 6, 6, 3 and 2 samples at different speeds, each counted into its round in
+    the store (``count_round_samples``) and arriving by abs_sgd's rule (``closes_round``, ``R = 40``): every round
+    holds exactly the samples counted for it (the last count any rank read), each rank's column the micro-batches
+    it counted there, and 40 to within half the largest micro-batch (37-43) however the ranks interleaved; the
+    update is the sample-weighted sum, nothing lost; rank 0 deleted every completed round's count (the store
+    stays flat). Before the first synchronous round (asynchronous rounds) nothing is counted: ``None``."""
+    sizes, target = (6, 6, 3, 2), 40
+    config = DelayedConfig(target_samples=4, max_rounds=10, sync_from=0, timeout=timedelta(seconds=30), name="fill")
+    records = run_threads(P, train(config, delays_ms=(1.0, 1.5, 2.0, 4.0), agree={}, fill=(sizes, target)))
+    results = check_sums_and_conservation(records)
+    assert sorted(results) == list(range(11))  # ten rounds and the end of fit's (which found nothing pending)
+    last_count: dict[int, int] = {}
+    for rank, record in enumerate(records):
+        per_round: dict[int, int] = {}
+        for (_, b, into, _), count in zip(record["deposits"], record["counted"]):
+            assert count is not None and b == sizes[rank]
+            per_round[into] = per_round.get(into, 0) + b
+            last_count[into] = max(last_count.get(into, 0), count)
+        for r in range(10):
+            assert results[r][1][rank] == per_round[r], (rank, r)  # each micro-batch joined the round it counted in
+    for r in range(10):
+        held = sum(results[r][1])
+        assert held == last_count[r] and 37 <= held <= 43, (r, held, results[r][1])
+    assert records[0]["keys"] in ([], [9]), records[0]["keys"]  # the last round's: deleted at finish, or left there
+    engine = DelayedAllreduce(DelayedConfig(target_samples=4, name="async"), store=dist.HashStore(), rank=0,
+                              world_size=1, like=[torch.zeros(2)]).start()
+    try:
+        assert engine.count_round_samples(3) is None  # an asynchronous round takes what the rank holds
+    finally:
+        engine.close()
 
 
 def test_a_synchronous_round_takes_every_micro_batch_a_rank_held_before_it_arrived():

@@ -111,7 +111,7 @@ from lightning_partial.collectives.checks import check_int
 log = logging.getLogger(__name__)
 
 #: When a rank arrives at a synchronous round split by speed (see the module docstring).
-ARRIVALS: tuple[str, ...] = ("count", "time")
+ARRIVALS: tuple[str, ...] = ("count", "samples", "time")
 
 
 class AdaptiveBatchSize(Callback):
@@ -232,12 +232,14 @@ class AdaptiveBatchSize(Callback):
                 min(base, max(self.min_batch_size, round(base * s / top))) for base, s in zip(self.bases, shares)
             )
             counts = (1,) * len(sizes)
+        fill = sizes if split and self._fit_arrival == "samples" else None
         self.sizes, self.micro_batches = sizes, counts
         self.history.append((stats.round_index, sizes, counts, split))
         strategy = self._strategy
         strategy.sampler.batch_size = sizes[self._rank]  # the current sampler (a reloaded loader has a new one)
         strategy.micro_batches_per_round = counts[self._rank]
         strategy.round_seconds = seconds
+        strategy.round_fill = fill
         per_round = [n / len(self._counts) for n in samples]
         self._pending_log = {
             "abs/batch_size": float(sizes[self._rank]),
@@ -260,7 +262,7 @@ class AdaptiveBatchSize(Callback):
         """
         if self._fit_arrival is None:
             self._fit_arrival = self._decide_arrival()
-        timed = self._fit_arrival == "time"
+        timed = self._fit_arrival != "count"
         if timed and self._timed is not None:
             return self._timed
         assert self.bases is not None
@@ -278,13 +280,14 @@ class AdaptiveBatchSize(Callback):
         issued one of the strategy's collectives (``ABSSGDStrategy.batch_collectives``). The rounds before the
         first split run one micro-batch per rank each, in lock-step, so every rank has seen the same batches
         and decides alike; a per-batch collective first issued after the split is refused by the strategy."""
-        if self.arrival == "time" and getattr(self._strategy, "batch_collectives", False):
+        if self.arrival != "count" and getattr(self._strategy, "batch_collectives", False):
             if self._rank == 0:
                 log.warning(
                     "AdaptiveBatchSize: a training step issues a collective (self.log(..., sync_dist=True), "
                     "all_gather, a barrier), which pairs only batches run in lock-step: the ranks arrive by count "
-                    "in this fit (arrival='count'), which is slower than by time; log per rank (sync_dist=False) "
-                    "or per epoch (on_step=False, on_epoch=True) to arrive by time"
+                    f"in this fit (arrival='count'), which is slower than arrival={self.arrival!r}; log per rank "
+                    "(sync_dist=False) or per epoch (on_step=False, on_epoch=True) to arrive by "
+                    + ("time" if self.arrival == "time" else "samples")
                 )
             return "count"
         return self.arrival

@@ -9,6 +9,10 @@ was activated without posting anything itself. Per round the keys are
 ``g/<r>``
     counter of activation conditions met for round ``r``, used only when
     ``max_staleness`` adds a second condition (the gate) to the mode's one.
+``s/<q>``
+    the samples counted for synchronous round ``q`` so far (``store.add`` of each
+    micro-batch's samples by the rank that computed it, before it arrives or holds
+    it): a round that closes on samples (``DelayedAllreduce.count_round_samples``).
 ``go/<r>/<i>``
     set to ``"1"`` (one ``multi_set`` for all ``i``) when round ``r`` is activated;
     rank ``i``'s communication thread blocks in ``store.wait`` on its own key, so
@@ -16,7 +20,8 @@ was activated without posting anything itself. Per round the keys are
     (``wake`` creates the key as ``"0"`` where no activation has set it).
 
 Keys are deleted once nobody can touch them again (the last adder of ``n/q``
-and ``g/r``, rank ``i`` for ``go/r/i``), so the store stays flat however long
+and ``g/r``, rank ``i`` for ``go/r/i``, rank 0 for ``s/q`` once round ``q`` completed:
+every rank counts into it before it arrives), so the store stays flat however long
 the job runs. Deletions run on the communication thread, off the caller's
 critical path.
 
@@ -90,6 +95,10 @@ class ControlPlane:
             self.discard(f"n/{step}")  # every rank has added: nobody touches it again
         return count
 
+    def count_samples(self, round_index: int, samples: int) -> int:
+        """Adds ``samples`` to synchronous round ``round_index``'s count; returns the count (every rank's so far)."""
+        return self._call(lambda: self.main.add(f"s/{round_index}", samples), round_index, "count the round's samples")
+
     def meet_condition(self, round_index: int, needed: int) -> None:
         """One of the ``needed`` activation conditions of ``round_index`` holds; activates on the last."""
         if needed == 1:
@@ -122,6 +131,10 @@ class ControlPlane:
             return False
         value = self._call(lambda: self.main.get(key), round_index, "read the activation").decode()
         return value != WOKEN  # only this rank's own wake() set it
+
+    def discard_samples(self, round_index: int) -> None:
+        """Rank 0, once synchronous round ``round_index`` completed: its sample count is deleted at the next collection."""
+        self.discard(f"s/{round_index}")
 
     def discard(self, key: str) -> None:
         with self._garbage_lock:

@@ -281,6 +281,9 @@ class DelayedAllreduce(PartialAllreduce):
         self._sync_from: Optional[int] = config.sync_from
         if config.sync_from_samples == 0:
             self._sync_from = 0
+        # Whether this rank's caller counts synchronous rounds' samples in the store (count_round_samples):
+        # rank 0 then deletes each synchronous round's count once the round completed.
+        self._counting = False
         # Held while deciding to activate and activating: after pause() returns, this
         # rank activates nothing.
         self._activation_lock = threading.Lock()
@@ -448,6 +451,29 @@ class DelayedAllreduce(PartialAllreduce):
             # round follows it) at once, so that every rank applies it and stops there.
             limit = self._snapshotted - 1 if self._stop_round is None else self._stop_round
         return self._take_due(limit=limit)
+
+    def count_round_samples(self, samples: int) -> Optional[int]:
+        """Caller's thread, before depositing a micro-batch of ``samples`` samples: where the round it goes
+        into is synchronous, adds them to that round's count in the store and returns the count: the samples
+        every rank has counted for the round so far, this micro-batch's included. ``None`` where the round is
+        asynchronous (it takes what each rank holds when it starts) or the fit's rounds are over.
+
+        A synchronous round's arrival by samples (``AdaptiveBatchSize(arrival="samples")``) reads it: every
+        rank counts each micro-batch before it deposits it (arriving or held), so a round's count is complete
+        once every rank has arrived. One ``store.add`` on the caller's store client, bounded by
+        ``collective_timeout`` (a frozen store host fails with the rank and the round named); rank 0's
+        communication thread deletes the count once the round completed.
+        """
+        self._check_running("count_round_samples")
+        check_int("samples", samples, owner=f"rank {self.rank}")
+        with self._cond:
+            q = self._snapshotted + 1
+            self._raise_if_failed(q)
+            if not self._known_sync(q) or self._final_round is not None:
+                return None
+            self._counting = True
+        assert self._control is not None
+        return self._control.count_samples(q, samples)
 
     def work_since_arrival(self) -> float:
         """Caller's thread: seconds of work behind what this rank would contribute if it arrived now: the
@@ -887,11 +913,16 @@ class DelayedAllreduce(PartialAllreduce):
                     self._sync_from = r + 1
                 if self._ends_fit(r) or result.stats.finish:
                     self._final_round = r
+                discard = self._counting and self.rank == 0 and result.stats.synchronous
                 activate = self._may_activate(r + 1)
                 if activate:
                     self._claim_activation(r + 1)
                 self._completed = r
                 self._cond.notify_all()
+            if discard:
+                # Every rank counted into round r before arriving at it: nobody adds to its count again.
+                assert self._control is not None
+                self._control.discard_samples(r)
             if activate:
                 assert self._control is not None
                 self._control.activate_from_comm(r + 1)

@@ -219,6 +219,22 @@ def check_batch_limits(trainer: Any, *, world_size: int) -> None:
     )
 
 
+def closes_round(counted: int, samples: int, others: int, target: int) -> bool:
+    """A synchronous round that closes on samples (``AdaptiveBatchSize(arrival="samples")``): whether the rank that
+    has just counted a micro-batch of ``samples`` arrives with it, the round's count now ``counted`` (every rank's
+    micro-batches so far), ``others`` the other ranks' micro-batch sizes summed, ``target`` the round's samples
+    (``sync_round_samples``, ``R``): when arriving now brings the round nearer to ``R`` than one more micro-batch
+    here would,
+
+        counted + others + samples / 2 >= R.
+
+    Each other rank is in the middle of a micro-batch when the first rank arrives, and arrives with it (the
+    count then only grows past its own threshold): a round arriving now holds ``counted + others``, one more
+    micro-batch here adds ``samples``. So, sizes fixed, every round holds ``R`` to within half the largest
+    micro-batch (or, where one micro-batch per rank exceeds ``R``, exactly one each)."""
+    return 2 * (counted + others) + samples >= 2 * target
+
+
 class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     """ABS-SGD over :class:`~lightning_partial.collectives.delayed.DelayedAllreduce` (see the module docstring).
 
@@ -408,10 +424,15 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         #: on every rank, to the same value; main thread only): a rank arrives with the micro-batch whose end is
         #: nearest to it, whatever ``micro_batches_per_round`` says. ``None``: by count.
         self.round_seconds: Optional[float] = None
+        #: Every rank's micro-batch size in synchronous rounds that close on samples
+        #: (``AdaptiveBatchSize(arrival="samples")`` sets it at the same round on every rank, to the same value;
+        #: main thread only): a rank arrives with the micro-batch that brings the round nearest to
+        #: ``sync_round_samples``, counted over every rank in the store (``_arrives_by_samples``). ``None``: not so.
+        self.round_fill: Optional[tuple[int, ...]] = None
         #: The samples AdaptiveBatchSize makes a synchronous round hold (resolved at the start of fit).
         self.sync_round_samples: Optional[int] = None
         #: Whether a training step's closure issued one of the strategy's collectives in this fit (main thread
-        #: only; see ``_before_collective``): ``AdaptiveBatchSize(arrival="time")`` then arrives by count.
+        #: only; see ``_before_collective``): ``AdaptiveBatchSize(arrival="samples"|"time")`` then arrives by count.
         self.batch_collectives = False
         self._in_closure = False
         self._held: dict[int, int] = {}  # per optimizer: micro-batches deposited since this rank last arrived
@@ -774,7 +795,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         ``on_after_backward``: ``self.log(..., sync_dist=True)``, ``all_gather``, a barrier) pairs the same
         batch on every rank only while the ranks run their batches in lock-step: every round synchronous
         (``delay=0``), each rank arriving after the same number of micro-batches. Recorded
-        (``batch_collectives``: ``AdaptiveBatchSize(arrival="time")`` then arrives by count; its first window
+        (``batch_collectives``: ``AdaptiveBatchSize(arrival="samples"|"time")`` then arrives by count; its first window
         runs in lock-step, so every rank records the same) and refused otherwise, before this rank enters the
         collective (the others fail through the engine when it stops), so the fit fails at once rather than in
         a wait for a batch another rank never runs (until ``timeout``). Per-batch collectives in other hooks
@@ -782,10 +803,12 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         if not self._in_closure or self.world_size < 2:
             return  # epoch ends, checkpoints, validation: points every rank reaches at the same round
         self.batch_collectives = True
-        if self._delay == 0 and self.round_seconds is None:
+        if self._delay == 0 and self.round_seconds is None and self.round_fill is None:
             return
         why = ("delay=1, the rounds asynchronous" if self._delay != 0 else
-               "AdaptiveBatchSize(arrival='time'), each rank arriving after about the round's time of work")
+               "AdaptiveBatchSize(arrival='time'), each rank arriving after about the round's time of work"
+               if self.round_seconds is not None else
+               "AdaptiveBatchSize(arrival='samples'), each rank arriving once the round holds about its samples")
         last = self._last_round()
         where = "before the first round" if last is None else f"round {last} applied"
         raise RuntimeError(
@@ -886,14 +909,17 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                                     [p.grad is not None for p in params])
         samples = max(self._batch_samples, 1)
         # In synchronous rounds every rank arrives with the last of its ``micro_batches_per_round`` (counted
-        # from its first synchronous deposit: the ranks' batches stay in lock-step), or by time under
-        # ``round_seconds`` (the counts differ then); the engine ignores ``arrive`` in asynchronous rounds. In the finish, steps happen only at arrivals, so every rank
+        # from its first synchronous deposit: the ranks' batches stay in lock-step), or by the round's samples
+        # under ``round_fill``, or by time under ``round_seconds`` (the counts differ then); the engine ignores
+        # ``arrive`` in asynchronous rounds. In the finish, steps happen only at arrivals, so every rank
         # reaches a step checkpoint's save (at the next batch start) before it arrives again; at the switch,
         # the engine holds the first arrival of a rank with earlier rounds still to apply (their saves may
         # be running on the other ranks) and hands those rounds instead.
         held = self._held.get(index, 0) + 1
         if self._arrive_now is not None:
             arrive = self._arrive_now
+        elif self.round_fill is not None:
+            arrive = self._arrives_by_samples(engine, samples)
         elif self.round_seconds is not None:
             # By time: arriving now ends this rank's share nearer to the round's time than one more
             # micro-batch (of the mean length of this round's so far) would.
@@ -914,6 +940,17 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             for p in params:
                 p.grad = None  # nothing was applied: leave no gradient behind
         return output
+
+    def _arrives_by_samples(self, engine: DelayedAllreduce, samples: int) -> bool:
+        """Under ``round_fill``: counts this micro-batch's ``samples`` into the round
+        (``DelayedAllreduce.count_round_samples``) and decides by :func:`closes_round`. ``True`` in an asynchronous
+        round (``arrive`` is ignored there)."""
+        counted = engine.count_round_samples(samples)
+        if counted is None:
+            return True
+        assert self.round_fill is not None and self.sync_round_samples is not None
+        others = sum(self.round_fill) - self.round_fill[self.global_rank]
+        return closes_round(counted, samples, others, self.sync_round_samples)
 
     def _apply(
         self, index: int, optimizer: Optimizer, results: list[RoundResult], model: StepModel = None, *,
@@ -1065,7 +1102,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self.step_lags.reset()
         self._warned_capped = False
         self.micro_batches_per_round, self._held, self._arrive_now = 1, {}, None
-        self.round_seconds, self.batch_collectives = None, False
+        self.round_seconds, self.round_fill, self.batch_collectives = None, None, False
         self._end_boundary = None
         trainer = self._trainer
         if self._engines:

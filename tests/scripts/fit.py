@@ -59,6 +59,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_partial  # noqa: F401 - registers the strategies
 from lightning_partial.callbacks import AdaptiveBatchSize, GroupRotation, LoadImbalance, StalenessTracker
+from lightning_partial.callbacks.adaptive_batch_size import ARRIVALS
 from tests.scripts.launch import AtFitEnd, add_launch_option, registry_name, release_default_group
 
 
@@ -295,7 +296,7 @@ def main() -> None:
     parser.add_argument("--val-seconds", type=float, default=None,
                         help="Trainer(val_check_interval=SECONDS as a time); 64 validation samples, 16 per rank")
     parser.add_argument("--adaptive", action="store_true", help="add an AdaptiveBatchSize(window=4, min_batch_size=2) (abs_sgd)")
-    parser.add_argument("--arrival", choices=("count", "time"), default="count",
+    parser.add_argument("--arrival", choices=ARRIVALS, default="count",
                         help="--adaptive's arrival rule (default: count, the callback's)")
     parser.add_argument("--step-scheduler", action="store_true", help="a StepLR stepped per optimizer step")
     parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (the staleness rule reads it)")
@@ -488,6 +489,7 @@ def main() -> None:
             record["adaptive"] = [[r, list(sizes), list(counts), split] for r, sizes, counts, split in adaptive.history]
             record["adaptive_bases"] = list(adaptive.bases or ())
             record["round_seconds"] = trainer.strategy.round_seconds  # the last set (arrival="time")
+            record["round_fill"] = trainer.strategy.round_fill  # the last set (arrival="samples")
             record["fit_arrival"] = adaptive.fit_arrival
         if rotation is not None:
             record["groups"] = [asdict(r) for r in rotation.history]
