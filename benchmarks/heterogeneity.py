@@ -717,11 +717,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="abs_sgd's step_boundary (default nearest, the strategy's)")
     parser.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
                         help="abs_sgd with AdaptiveBatchSize (default: no; it costs throughput here, see docs/benchmarks.md)")
-    parser.add_argument("--arrival", choices=("count", "samples", "time"), default="count",
-                        help="--adaptive's arrival rule in synchronous rounds (default count, the callback's: the "
-                             "same micro-batches on every rank; samples: each rank once the round holds about its samples, counted in the store; time: each rank after about the round's time)")
+    parser.add_argument("--arrival", choices=("count", "samples", "time"), default="samples",
+                        help="--adaptive's arrival rule in synchronous rounds (default samples, the callback's: each "
+                             "rank once the round holds about its samples, counted in the store; count: the same "
+                             "micro-batches on every rank; time: each rank after about the round's time)")
     parser.add_argument("--slices", type=positive_int, default=4,
-                        help="--adaptive --arrival samples|time: about how many micro-batches a rank's share of a round is "
+                        help="--adaptive --arrival samples|time: about how many micro-batches a rank's share is "
                              "cut into (default 4, the callback's)")
     parser.add_argument("--abs-epochs", type=int, default=1,
                         help="epochs abs_sgd trains (ddp and no_comm: one; default 1, the same samples; more to see "

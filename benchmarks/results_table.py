@@ -63,7 +63,7 @@ ABS_SGD_BEFORE: dict[str, Any] = {"final_sync": 0.0, "step_boundary": "at_least"
 #: The imbalance run in README.md's table: the table's rows only, at the current defaults.
 IMBALANCE_FILE = "imbalance_defaults.json"
 #: The heterogeneity run in README.md's table.
-HETEROGENEITY_FILE = "heterogeneity_defaults_5repeats.json"
+HETEROGENEITY_FILE = "heterogeneity_arrival_samples_5repeats.json"
 
 
 def load(name: str) -> Json:
@@ -235,9 +235,10 @@ def abs_sgd_label(heterogeneity: Json) -> str:
     delay = heterogeneity.get("delay", 1)
     if delay not in ("auto", auto):
         changed.append(f"delay={delay}")
-    # AdaptiveBatchSize's arrival: "count" by default, as every run from before the option (absent) arrived.
-    if adaptive and heterogeneity.get("arrival", "count") != "count":
-        changed.append(f"arrival={heterogeneity['arrival']!r}")
+    # AdaptiveBatchSize's arrival: "samples" by default; every run from before the option (absent) arrived by count.
+    arrival = heterogeneity.get("arrival", "count")
+    if adaptive and arrival != "samples":
+        changed.append(f"arrival={arrival!r}")
     name = "`abs_sgd` + `AdaptiveBatchSize`" if adaptive else "`abs_sgd`"
     return name + " " + (f"(`{', '.join(changed)}`)" if changed else "(defaults)")
 

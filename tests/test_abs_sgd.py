@@ -555,7 +555,7 @@ def test_adaptive_sizes_from_work_time_in_synchronous_rounds():
 
 
 def test_arrival_by_time_sizes_a_share_once_and_times_every_round():
-    """``arrival="time"`` (``"count"`` is the default), a step of 64 over loaders of 16: the first window of synchronous rounds
+    """``arrival="time"`` (``"samples"`` is the default), a step of 64 over loaders of 16: the first window of synchronous rounds
     (speeds 160, 160, 40, 20 samples per busy second) sizes each share ``q_i = 64 * v_i / 380`` as about
     ``slices=4`` micro-batches (26.9 / 4 = 7, 7, round(1.68) = 2, round(0.84) = 1) and sets the round's time
     ``T = 64 / 380`` s on the strategy; later windows leave the sizes (re-measured, small micro-batches read
@@ -572,7 +572,7 @@ def test_arrival_by_time_sizes_a_share_once_and_times_every_round():
         sampler = SimpleNamespace(batch_size=16)
         loader_batch_sizes, sync_round_samples, micro_batches_per_round, round_seconds = (16,) * 4, 64, 1, None
 
-    assert (AdaptiveBatchSize().arrival, AdaptiveBatchSize().slices) == ("count", 4)
+    assert (AdaptiveBatchSize().arrival, AdaptiveBatchSize().slices) == ("samples", 4)
     callback = AdaptiveBatchSize(window=2, log=False, arrival="time")
     callback._strategy = strategy = Strategy()
     for r in range(2):

@@ -298,6 +298,7 @@ def test_the_readme_labels_an_abs_sgd_run_by_what_differs_from_todays_defaults()
     """A heterogeneity file from before final_sync and step_boundary existed ran neither (no finish; steps ended at
     the first round reaching the global batch): its README row says so."""
     from benchmarks.results_table import ABS_SGD_DEFAULTS, abs_sgd_label
+    from lightning_partial.callbacks import AdaptiveBatchSize
 
     defaults = inspect.signature(ABSSGDStrategy).parameters
     assert ABS_SGD_DEFAULTS == {key: defaults[key].default for key in ABS_SGD_DEFAULTS}
@@ -305,13 +306,15 @@ def test_the_readme_labels_an_abs_sgd_run_by_what_differs_from_todays_defaults()
     assert abs_sgd_label({}) == "`abs_sgd` (`final_sync=0.0, step_boundary='at_least'`)"
     today = {"final_sync": 0.05, "step_boundary": "nearest"}
     # delay="auto": 0 with AdaptiveBatchSize or AdamW, 1 otherwise; a run records the value it resolved or was given.
-    # AdaptiveBatchSize arrives by count, as a run from before its arrival option (absent) did.
-    counted = {**today, "adaptive": True, "arrival": "count"}
-    assert abs_sgd_label({**counted, "delay": 0}) == "`abs_sgd` + `AdaptiveBatchSize` (defaults)"
-    assert abs_sgd_label({**counted, "delay": 1}) == "`abs_sgd` + `AdaptiveBatchSize` (`delay=1`)"
-    assert abs_sgd_label({**today, "adaptive": True, "delay": 0}) == "`abs_sgd` + `AdaptiveBatchSize` (defaults)"
-    assert abs_sgd_label({**counted, "arrival": "time", "delay": 0}) == (
+    # AdaptiveBatchSize arrives by samples by default; a run from before its arrival option (absent) arrived by count.
+    filled = {**today, "adaptive": True, "arrival": "samples"}
+    assert abs_sgd_label({**filled, "delay": 0}) == "`abs_sgd` + `AdaptiveBatchSize` (defaults)"
+    assert abs_sgd_label({**filled, "delay": 1}) == "`abs_sgd` + `AdaptiveBatchSize` (`delay=1`)"
+    assert abs_sgd_label({**today, "adaptive": True, "delay": 0}) == (
+        "`abs_sgd` + `AdaptiveBatchSize` (`arrival='count'`)")
+    assert abs_sgd_label({**filled, "arrival": "time", "delay": 0}) == (
         "`abs_sgd` + `AdaptiveBatchSize` (`arrival='time'`)")
+    assert AdaptiveBatchSize().arrival == "samples"  # what the label calls the default
     assert abs_sgd_label({**today, "optimizer": "adamw", "delay": 0}) == "`abs_sgd` (defaults)"
     assert abs_sgd_label({**today, "delay": 0}) == "`abs_sgd` (`delay=0`)"
 

@@ -58,7 +58,10 @@ here (**Decisions**; the semantics in docs/algorithms.md, abs_sgd):
   deposited with ``arrive=False`` in a synchronous round joins this rank's
   next contribution without arriving: a rank whose share of a round is
   several micro-batches (``AdaptiveBatchSize``) arrives once, with all of
-  them, and the round's allreduce is paid once. At the switch, a rank
+  them, and the round's allreduce is paid once; :meth:`count_round_samples`
+  counts a rank's micro-batches into the round in the store before it
+  deposits them, so that a caller can arrive once the round holds enough
+  over every rank. At the switch, a rank
   whose micro-batch spanned the last asynchronous rounds may deposit next
   into the first synchronous round before it was handed the rounds before
   the last asynchronous one, which the other ranks were handed at their

@@ -64,9 +64,11 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   ``final_sync`` have nothing left to do. The ranks still contribute different
   samples (with :class:`~lightning_partial.callbacks.AdaptiveBatchSize`, each
   rank's share of a step sized to its measured speed, so that the ranks finish together and a
-  round is one step: by default as the same number of micro-batches on every rank, in lock-step;
-  with ``arrival="time"`` each rank arrives with the micro-batch that ends nearest to the round's
-  time, ``round_seconds``, read from ``DelayedAllreduce.work_since_arrival``);
+  round is one step: by default (``arrival="samples"``) each rank arrives with the micro-batch that
+  brings the round, counted over every rank in the store (``DelayedAllreduce.count_round_samples``),
+  nearest to the step (:func:`closes_round`); with ``arrival="count"`` after the same number of
+  micro-batches on every rank, in lock-step; with ``arrival="time"`` with the micro-batch that ends
+  nearest to the round's time, ``round_seconds``, read from ``DelayedAllreduce.work_since_arrival``);
   what a round costs beyond the slowest share is its allreduce, no longer
   hidden behind the next micro-batches. ``"auto"`` (default): ``0`` when every
   optimizer is Adam-like (``betas``) or an ``AdaptiveBatchSize`` callback is in

@@ -296,8 +296,8 @@ def main() -> None:
     parser.add_argument("--val-seconds", type=float, default=None,
                         help="Trainer(val_check_interval=SECONDS as a time); 64 validation samples, 16 per rank")
     parser.add_argument("--adaptive", action="store_true", help="add an AdaptiveBatchSize(window=4, min_batch_size=2) (abs_sgd)")
-    parser.add_argument("--arrival", choices=ARRIVALS, default="count",
-                        help="--adaptive's arrival rule (default: count, the callback's)")
+    parser.add_argument("--arrival", choices=ARRIVALS, default=None,
+                        help="--adaptive's arrival rule (default: the callback's)")
     parser.add_argument("--step-scheduler", action="store_true", help="a StepLR stepped per optimizer step")
     parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (the staleness rule reads it)")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="the optimizer's weight decay")
@@ -404,7 +404,8 @@ def main() -> None:
     if args.save_at is not None or args.save_epoch is not None:
         saver = SaveAt(args.out / "mid.ckpt", step=args.save_at, epoch=args.save_epoch)
     # BatchNorm needs 2 samples.
-    adaptive = AdaptiveBatchSize(window=4, min_batch_size=2, arrival=args.arrival) if args.adaptive else None
+    arrival = {} if args.arrival is None else {"arrival": args.arrival}
+    adaptive = AdaptiveBatchSize(window=4, min_batch_size=2, **arrival) if args.adaptive else None
     epochs = EpochProbe()
     rounds = RoundLog()
     checkpoints = None
