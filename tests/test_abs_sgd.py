@@ -256,7 +256,8 @@ def test_arrival_by_samples_closes_every_round_within_half_a_micro_batch_of_the_
     strategy (``round_fill``, the same on every rank); each rank counts its micro-batches into the round in the
     store and arrives by ``closes_round``, so every round after the first window's holds the step of 4 x 16
     samples to within half the largest micro-batch, but each epoch's last (its last batches arrive whatever the
-    count); every micro-batch is applied by the step of its own round (step lag 0), each sample once; the
+    count; and the round right after the first window, whose batches Lightning fetched, one ahead, at the
+    loaders' size: a loader with workers would fetch more); every micro-batch is applied by the step of its own round (step lag 0), each sample once; the
     epoch-end checkpoint (collective) finds no rank in a round; replicas end bit-identical."""
     out = tmp_path / "run"
     records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--optimizer", "adamw", "--adaptive",
@@ -764,6 +765,33 @@ def test_an_epoch_that_ends_where_the_finish_begins_ends_alike_with_its_saves_an
     assert all(len(r["validated_at"]) == 20 for r in records), [r["validated_at"] for r in records]
     saved = sorted((out / "ckpt").glob("epoch=*-step=*.ckpt"))
     assert len(saved) == records[0]["global_step"] // 3, [p.name for p in saved]
+
+
+@pytest.mark.timeout(300)
+def test_rounds_closed_on_samples_save_validate_and_resume_alike(tmp_path):
+    """AdaptiveBatchSize at its default (arrival by samples; ``delay="auto"`` is 0), 4 epochs of 512 samples under
+    speeds 1, 1, 0.5, 0.25, with ``ModelCheckpoint(every_n_train_steps=5)`` and validation (``sync_dist``,
+    collective) at every epoch end: the ranks run different numbers of batches per round, yet every rank
+    validates at every epoch end, saves once per multiple at the same round (a consistent cut), and a fit
+    resumed from a middle save, measuring afresh, ends with identical replicas and the same steps everywhere."""
+    first = tmp_path / "first"
+    common = ("--speed", "1,1,0.5,0.25", "--max-epochs", "4", "--rank-dataset-sizes", "512,512,512,512",
+              "--optimizer", "adamw", "--adaptive", "--validate")
+    records = run_fit(first, *common, "--checkpoint-every", "5")
+    assert_identical(first)
+    assert [(r["fit_arrival"], r["update_rule"]["delay"]) for r in records] == [("samples", 0)] * 4, records[0]
+    batches = [sum(r["epoch_batches"]) for r in records]
+    assert len(set(batches)) > 1, batches  # not in lock-step
+    assert all(len(r["validated_at"]) == 4 for r in records), [r["validated_at"] for r in records]
+    saved = sorted((first / "ckpt").glob("epoch=*-step=*.ckpt"))
+    assert len(saved) == records[0]["global_step"] // 5, [p.name for p in saved]
+    for path in saved:
+        states = torch.load(path, weights_only=False)[CHECKPOINT_KEY]["engines"][0]
+        assert len({s["step"] for s in states}) == 1, path.name  # the same round on every rank
+    second = tmp_path / "second"
+    resumed = run_fit(second, *common, "--resume", str(saved[len(saved) // 2]))
+    assert_identical(second)
+    assert len({r["global_step"] for r in resumed}) == 1
 
 
 @pytest.mark.timeout(300)

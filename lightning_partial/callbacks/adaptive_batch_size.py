@@ -55,7 +55,9 @@ when it arrives is the ``arrival`` rule:
   ``R`` (``abs_sgd``'s ``closes_round``: count ``+`` the other ranks'
   micro-batch sizes, which they are computing, ``+`` half its own ``>= R``;
   the strategy's ``round_fill`` holds every rank's sizes). With the sizes
-  fixed every round holds ``R`` to within half the largest micro-batch, and
+  fixed every round holds ``R`` to within half the largest micro-batch
+  (but each epoch's last, and the first after the sizes are set, whose
+  batches were fetched before), and
   a rank whose round runs slow contributes a micro-batch fewer, one that
   runs fast one more, as by time. One ``store.add`` per micro-batch (on
   rank 0's store; bounded by ``collective_timeout``). On 2 cores the

@@ -136,6 +136,10 @@ class ControlPlane:
         """Rank 0, once synchronous round ``round_index`` completed: its sample count is deleted at the next collection."""
         self.discard(f"s/{round_index}")
 
+    def delete_samples(self, rounds: range) -> None:
+        """Caller's thread, after the engine's last round: deletes those rounds' sample counts (some may not exist)."""
+        self._delete(self.main, [f"s/{r}" for r in rounds], rounds.start)
+
     def discard(self, key: str) -> None:
         with self._garbage_lock:
             self._garbage.append(key)

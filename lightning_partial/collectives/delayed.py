@@ -287,6 +287,7 @@ class DelayedAllreduce(PartialAllreduce):
         # Whether this rank's caller counts synchronous rounds' samples in the store (count_round_samples):
         # rank 0 then deletes each synchronous round's count once the round completed.
         self._counting = False
+        self._discarded_through = -1  # rank 0: the last round whose count it discarded (communication thread)
         # Held while deciding to activate and activating: after pause() returns, this
         # rank activates nothing.
         self._activation_lock = threading.Lock()
@@ -475,8 +476,11 @@ class DelayedAllreduce(PartialAllreduce):
             if not self._known_sync(q) or self._final_round is not None:
                 return None
             self._counting = True
-        assert self._control is not None
-        return self._control.count_samples(q, samples)
+            control = self._control
+        if control is None:
+            raise EngineClosedError("close() was called while counting a round's samples", rank=self.rank,
+                                    round_index=q)
+        return control.count_samples(q, samples)
 
     def work_since_arrival(self) -> float:
         """Caller's thread: seconds of work behind what this rank would contribute if it arrived now: the
@@ -637,6 +641,10 @@ class DelayedAllreduce(PartialAllreduce):
         last = self._flush(None, step=round_index + 1)
         with self._cond:
             self._global_samples += int(last.stats.contributions)  # _after_round does not run for the flush
+            counts = range(self._discarded_through + 1, round_index + 2) if self._counting and self.rank == 0 else None
+        if counts and self._control is not None:
+            # The rounds' counts no _after_round discarded (a stop round's, the flush's): nothing counts any more.
+            self._control.delete_samples(counts)
         due = self._take_due(limit=round_index)
         return due + [last]
 
@@ -917,6 +925,8 @@ class DelayedAllreduce(PartialAllreduce):
                 if self._ends_fit(r) or result.stats.finish:
                     self._final_round = r
                 discard = self._counting and self.rank == 0 and result.stats.synchronous
+                if discard:
+                    self._discarded_through = r
                 activate = self._may_activate(r + 1)
                 if activate:
                     self._claim_activation(r + 1)

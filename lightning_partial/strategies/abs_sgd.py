@@ -230,10 +230,14 @@ def closes_round(counted: int, samples: int, others: int, target: int) -> bool:
 
         counted + others + samples / 2 >= R.
 
-    Each other rank is in the middle of a micro-batch when the first rank arrives, and arrives with it (the
-    count then only grows past its own threshold): a round arriving now holds ``counted + others``, one more
-    micro-batch here adds ``samples``. So, sizes fixed, every round holds ``R`` to within half the largest
-    micro-batch (or, where one micro-batch per rank exceeds ``R``, exactly one each)."""
+    When the first rank arrives, every other rank's next count closes (it exceeds this one by at least its own
+    micro-batch, and ``b_j + sum_{k != j} b_k + b_j / 2`` is past the threshold): a round arriving now holds
+    ``counted + others``, one more micro-batch here adds ``samples``. So, with every rank's micro-batches at
+    the sizes given, a round holds at least ``R - samples / 2`` (this rule) and less than ``R + b / 2``, ``b``
+    the micro-batch counted just before (its rank did not arrive): ``R`` to within half the largest
+    micro-batch, or one micro-batch per rank where those alone reach about ``R``. Not so: each epoch's and
+    the fit's last round (every rank arrives with its last batch), and the rounds whose micro-batches were
+    drawn before the sizes were set (Lightning fetches a batch ahead; more with a ``DataLoader``'s workers)."""
     return 2 * (counted + others) + samples >= 2 * target
 
 
@@ -419,12 +423,13 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         # Every ModelCheckpoint of this fit (their epoch-end hooks run as on rank 0; given back at teardown).
         self._checkpoints: list[ModelCheckpoint] = []
         #: Micro-batches per synchronous round (``AdaptiveBatchSize`` sets it at the same round on every rank, to
-        #: the same value: the ranks' batches stay in lock-step, so a per-batch collective pairs the same batches;
-        #: main thread only): the first ``n - 1`` of each round are deposited without arriving.
+        #: the same value; main thread only): by count, the first ``n - 1`` of each round are deposited without
+        #: arriving, so the ranks' batches stay in lock-step and a per-batch collective pairs the same batches;
+        #: nominal under ``round_fill`` or ``round_seconds``.
         self.micro_batches_per_round = 1
         #: Seconds of work per synchronous round (``AdaptiveBatchSize(arrival="time")`` sets it at the same round
         #: on every rank, to the same value; main thread only): a rank arrives with the micro-batch whose end is
-        #: nearest to it, whatever ``micro_batches_per_round`` says. ``None``: by count.
+        #: nearest to it, whatever ``micro_batches_per_round`` says. ``None``: by samples or by count.
         self.round_seconds: Optional[float] = None
         #: Every rank's micro-batch size in synchronous rounds that close on samples
         #: (``AdaptiveBatchSize(arrival="samples")`` sets it at the same round on every rank, to the same value;
