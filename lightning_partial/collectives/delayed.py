@@ -287,6 +287,7 @@ class DelayedAllreduce(PartialAllreduce):
         # Whether this rank's caller counts synchronous rounds' samples in the store (count_round_samples):
         # rank 0 then deletes each synchronous round's count once the round completed.
         self._counting = False
+        self._counted_from = 0  # the first round this rank counted into
         self._discarded_through = -1  # rank 0: the last round whose count it discarded (communication thread)
         # Held while deciding to activate and activating: after pause() returns, this
         # rank activates nothing.
@@ -475,7 +476,8 @@ class DelayedAllreduce(PartialAllreduce):
             self._raise_if_failed(q)
             if not self._known_sync(q) or self._final_round is not None:
                 return None
-            self._counting = True
+            if not self._counting:
+                self._counting, self._counted_from = True, q
             control = self._control
         if control is None:
             raise EngineClosedError("close() was called while counting a round's samples", rank=self.rank,
@@ -641,7 +643,10 @@ class DelayedAllreduce(PartialAllreduce):
         last = self._flush(None, step=round_index + 1)
         with self._cond:
             self._global_samples += int(last.stats.contributions)  # _after_round does not run for the flush
-            counts = range(self._discarded_through + 1, round_index + 2) if self._counting and self.rank == 0 else None
+            # Every rank starts counting at the same round (the split's sizes come with a round's result, the same
+            # on every rank); one before it, to be safe.
+            first = max(self._discarded_through + 1, self._counted_from - 1)
+            counts = range(first, round_index + 2) if self._counting and self.rank == 0 else None
         if counts and self._control is not None:
             # The rounds' counts no _after_round discarded (a stop round's, the flush's): nothing counts any more.
             self._control.delete_samples(counts)
