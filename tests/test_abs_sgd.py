@@ -68,6 +68,36 @@ def test_adaptive_batch_size_bad_input():
         AdaptiveBatchSize(window=0)
 
 
+def round_stats(r: int, counts, busy, synchronous: bool = True):
+    """A 4-rank round's statistics as AdaptiveBatchSize reads them: every rank's samples and busy seconds."""
+    from lightning_partial.collectives import RoundStats
+
+    return RoundStats(round_index=r, activator=-1, initiator=None, synchronous=synchronous, flush=False,
+                      fresh=(), counts=counts, staleness=(0,) * 4, oldest_staleness=(0,) * 4, progress=(),
+                      dropped=(0,) * 4, contributions=sum(counts), divisor=float(sum(counts)), busy=busy)
+
+
+def split_fit_sized_once(out: Path, arrival: str) -> tuple[list[dict], list]:
+    """A 2-epoch AdamW fit under speeds 1, 1, 0.5, 0.25 with ``AdaptiveBatchSize(arrival=arrival)`` (``"samples"``
+    or ``"time"``: shares sized once), saving ``mid.ckpt`` at the first epoch's end; checks what both rules
+    share (replicas identical, the save made, ``delay`` 0, every sample applied once at step lag 0, the same
+    updates on every rank, every window synchronous and one size for the fit); the records and rank 0's
+    updates."""
+    records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--optimizer", "adamw", "--adaptive",
+                      "--arrival", arrival, "--save-epoch", "0")
+    assert_identical(out)
+    assert (out / "mid.ckpt").is_file()
+    assert all(r["update_rule"]["delay"] == 0 for r in records), records[0]["update_rule"]
+    for record in records:
+        lags = {int(k): n for k, n in record["step_lags"].items()}
+        assert set(lags) == {0} and lags[0] == sum(record["epoch_samples"]), (lags, record["epoch_samples"])
+    updates = records[0]["adaptive"]
+    assert updates and all(u == records[1]["adaptive"][i] for i, u in enumerate(updates))  # the same everywhere
+    assert all(u[3] for u in updates), updates  # every window synchronous: the step split by speed
+    assert len({(tuple(u[1]), tuple(u[2])) for u in updates}) == 1, updates  # sized once
+    return records, updates
+
+
 def assert_about_the_step(sizes, counts, context) -> None:
     """A synchronous round split by AdaptiveBatchSize(min_batch_size=2) holds about the step's 64 samples: each
     rank's share rounded to ``n`` micro-batches (at most ``n / 2`` off per rank), and a share the measured speeds
@@ -222,20 +252,8 @@ def test_arrival_by_time_applies_every_sample_once_in_rounds_of_about_a_step(tmp
     the slowest rank's share the smallest; every micro-batch is applied by the step of its own round (step
     lag 0), each sample once; the batch that ends an epoch arrives, so the epoch-end checkpoint (collective)
     finds no rank in a round; replicas end bit-identical."""
-    out = tmp_path / "run"
-    records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--optimizer", "adamw", "--adaptive",
-                      "--arrival", "time", "--save-epoch", "0")
-    assert_identical(out)
-    assert (out / "mid.ckpt").is_file()
+    records, updates = split_fit_sized_once(tmp_path / "run", "time")
     assert all(len(r["epoch_batches"]) == 2 for r in records)
-    assert all(r["update_rule"]["delay"] == 0 for r in records), records[0]["update_rule"]
-    for record in records:
-        lags = {int(k): n for k, n in record["step_lags"].items()}
-        assert set(lags) == {0} and lags[0] == sum(record["epoch_samples"]), (lags, record["epoch_samples"])
-    updates = records[0]["adaptive"]
-    assert updates and all(u == records[1]["adaptive"][i] for i, u in enumerate(updates))  # the same everywhere
-    assert all(u[3] for u in updates), updates  # every window synchronous: the step split by speed
-    assert len({(tuple(u[1]), tuple(u[2])) for u in updates}) == 1, updates  # sized once
     sizes, counts = updates[0][1], updates[0][2]
     assert max(sizes) <= 16 and counts == [4] * 4, updates
     seconds = {r["round_seconds"] for r in records}
@@ -259,18 +277,7 @@ def test_arrival_by_samples_closes_every_round_within_half_a_micro_batch_of_the_
     count; and the round right after the first window, whose batches Lightning fetched, one ahead, at the
     loaders' size: a loader with workers would fetch more); every micro-batch is applied by the step of its own round (step lag 0), each sample once; the
     epoch-end checkpoint (collective) finds no rank in a round; replicas end bit-identical."""
-    out = tmp_path / "run"
-    records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--optimizer", "adamw", "--adaptive",
-                      "--arrival", "samples", "--save-epoch", "0")
-    assert_identical(out)
-    assert (out / "mid.ckpt").is_file()
-    assert all(r["update_rule"]["delay"] == 0 for r in records), records[0]["update_rule"]
-    for record in records:
-        lags = {int(k): n for k, n in record["step_lags"].items()}
-        assert set(lags) == {0} and lags[0] == sum(record["epoch_samples"]), (lags, record["epoch_samples"])
-    updates = records[0]["adaptive"]
-    assert updates and all(u == records[1]["adaptive"][i] for i, u in enumerate(updates))  # the same everywhere
-    assert len({(tuple(u[1]), tuple(u[2])) for u in updates}) == 1 and all(u[3] for u in updates), updates
+    records, updates = split_fit_sized_once(tmp_path / "run", "samples")
     sizes = updates[0][1]
     assert max(sizes) <= 16 and [(r["fit_arrival"], r["round_fill"], r["round_seconds"]) for r in records] == [
         ("samples", sizes, None)] * 4, records[0]
@@ -520,15 +527,9 @@ def test_adaptive_sizes_from_work_time_in_synchronous_rounds():
     rounds by samples per busy second: without a step size ``B * v_i / max_j v_j``, one micro-batch each; with
     the strategy's step ``R``, shares ``q_i = R * v_i / sum_j v_j`` as ``n = max_j ceil(q_j / B_j)`` micro-batches
     on every rank, each of at most the rank's own loader batch ``B_i``, the count handed to the strategy."""
-    from lightning_partial.collectives import RoundStats
 
     class Sampler:
         batch_size = 16
-
-    def stats(r: int, counts, busy, synchronous: bool) -> RoundStats:
-        return RoundStats(round_index=r, activator=-1, initiator=None, synchronous=synchronous, flush=False,
-                          fresh=(), counts=counts, staleness=(0,) * 4, oldest_staleness=(0,) * 4, progress=(),
-                          dropped=(0,) * 4, contributions=sum(counts), divisor=float(sum(counts)), busy=busy)
 
     class Strategy:  # what ABSSGDStrategy has at the start of fit: no step size (set below), every loader at 16
         sampler, loader_batch_sizes, sync_round_samples, micro_batches_per_round = Sampler(), (16,) * 4, None, 1
@@ -536,21 +537,21 @@ def test_adaptive_sizes_from_work_time_in_synchronous_rounds():
     callback = AdaptiveBatchSize(window=2, log=False, arrival="count")
     callback._strategy = Strategy()
     for r in range(2):  # asynchronous: shares of the samples (busy ignored)
-        callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.1, 0.1), False))
+        callback._on_round(0, round_stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.1, 0.1), False))
     assert callback.sizes == (16, 16, 8, 4)
     for r in range(2, 4):  # synchronous: the same samples, but ranks 2 and 3 take 4 and 8 times as long per sample
-        callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.2, 0.2), True))
+        callback._on_round(0, round_stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.2, 0.2), True))
     assert callback.sizes == (16, 16, 4, 2) and callback.micro_batches == (1, 1, 1, 1)  # no step size known
     assert callback._strategy.sampler.batch_size == 16  # rank 0's
     callback._strategy.sync_round_samples = 64  # a step of 64 samples
     for r in range(4, 6):  # speeds 160, 160, 40, 20 samples/s: shares 64 * v / 380 = 26.9, 26.9, 6.7, 3.4
-        callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.2, 0.2), True))
+        callback._on_round(0, round_stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.2, 0.2), True))
     # ceil(26.9 / 16) = 2 micro-batches on every rank (lock-step batches): 13, 13, round(3.37) = 3, round(1.68) = 2.
     assert callback.sizes == (13, 13, 3, 2) and callback.micro_batches == (2, 2, 2, 2)
     assert callback._strategy.sampler.batch_size == 13  # rank 0's
     assert callback._strategy.micro_batches_per_round == 2  # rank 0's count, handed to the strategy
     for r in range(6, 8):  # asynchronous again: one micro-batch per round, the fastest at the loader's 16
-        callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.1, 0.1), False))
+        callback._on_round(0, round_stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.1, 0.1), False))
     assert callback.sizes == (16, 16, 8, 4) and callback._strategy.micro_batches_per_round == 1
     assert callback._strategy.round_seconds is None  # by count throughout
 
@@ -562,12 +563,6 @@ def test_arrival_by_time_sizes_a_share_once_and_times_every_round():
     ``T = 64 / 380`` s on the strategy; later windows leave the sizes (re-measured, small micro-batches read
     slower and would shrink) and set ``T`` from their own speeds (twice as fast: half the time), so a round
     holds about 64 samples; asynchronous rounds arrive by their trigger (``T`` unset); a new fit sizes afresh."""
-    from lightning_partial.collectives import RoundStats
-
-    def stats(r: int, counts, busy, synchronous: bool = True) -> RoundStats:
-        return RoundStats(round_index=r, activator=-1, initiator=None, synchronous=synchronous, flush=False,
-                          fresh=(), counts=counts, staleness=(0,) * 4, oldest_staleness=(0,) * 4, progress=(),
-                          dropped=(0,) * 4, contributions=sum(counts), divisor=float(sum(counts)), busy=busy)
 
     class Strategy:
         sampler = SimpleNamespace(batch_size=16)
@@ -577,19 +572,19 @@ def test_arrival_by_time_sizes_a_share_once_and_times_every_round():
     callback = AdaptiveBatchSize(window=2, log=False, arrival="time")
     callback._strategy = strategy = Strategy()
     for r in range(2):
-        callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.2, 0.2)))
+        callback._on_round(0, round_stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.2, 0.2)))
     assert callback.sizes == (7, 7, 2, 1) and callback.micro_batches == (4,) * 4
     assert strategy.sampler.batch_size == 7 and strategy.micro_batches_per_round == 4
     assert strategy.round_seconds == pytest.approx(64 / 380)
     for r in range(2, 4):  # the same samples in half the time
-        callback._on_round(0, stats(r, (16, 16, 8, 4), (0.05, 0.05, 0.1, 0.1)))
+        callback._on_round(0, round_stats(r, (16, 16, 8, 4), (0.05, 0.05, 0.1, 0.1)))
     assert callback.sizes == (7, 7, 2, 1) and strategy.round_seconds == pytest.approx(64 / 760)
     for r in range(4, 6):
-        callback._on_round(0, stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.1, 0.1), synchronous=False))
+        callback._on_round(0, round_stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.1, 0.1), synchronous=False))
     assert callback.sizes == (16, 16, 8, 4) and strategy.round_seconds is None
     callback.on_train_start(None, None)  # type: ignore[arg-type]
     for r in range(2):  # a new fit: equal speeds, equal shares of 16 as 4 micro-batches of 4
-        callback._on_round(0, stats(r, (16, 16, 16, 16), (0.1,) * 4))
+        callback._on_round(0, round_stats(r, (16, 16, 16, 16), (0.1,) * 4))
     assert callback.sizes == (4, 4, 4, 4) and strategy.round_seconds == pytest.approx(64 / 640)
 
 
@@ -597,26 +592,19 @@ def test_arrival_by_samples_sizes_a_share_once_and_hands_every_ranks_sizes_to_th
     """``arrival="samples"``: the shares are sized as by time (once per fit, about ``slices`` micro-batches each),
     and every rank's sizes go to the strategy (``round_fill``, the same tuple on every rank), no round time;
     asynchronous rounds arrive by their trigger (``round_fill`` unset)."""
-    from lightning_partial.collectives import RoundStats
-
-    def stats(r: int, busy, synchronous: bool = True) -> RoundStats:
-        counts = (16, 16, 8, 4)
-        return RoundStats(round_index=r, activator=-1, initiator=None, synchronous=synchronous, flush=False,
-                          fresh=(), counts=counts, staleness=(0,) * 4, oldest_staleness=(0,) * 4, progress=(),
-                          dropped=(0,) * 4, contributions=sum(counts), divisor=float(sum(counts)), busy=busy)
 
     strategy = SimpleNamespace(sampler=SimpleNamespace(batch_size=16), loader_batch_sizes=(16,) * 4,
                                sync_round_samples=64, micro_batches_per_round=1, round_seconds=None, round_fill=None)
     callback = AdaptiveBatchSize(window=2, log=False, arrival="samples")
     callback._strategy = strategy
     for r in range(2):
-        callback._on_round(0, stats(r, (0.1, 0.1, 0.2, 0.2)))
+        callback._on_round(0, round_stats(r, (16, 16, 8, 4), (0.1, 0.1, 0.2, 0.2)))
     assert callback.sizes == (7, 7, 2, 1) and strategy.round_fill == (7, 7, 2, 1) and strategy.round_seconds is None
     for r in range(2, 4):  # faster: the sizes stay
-        callback._on_round(0, stats(r, (0.05, 0.05, 0.1, 0.1)))
+        callback._on_round(0, round_stats(r, (16, 16, 8, 4), (0.05, 0.05, 0.1, 0.1)))
     assert strategy.round_fill == (7, 7, 2, 1) and callback.fit_arrival == "samples"
     for r in range(4, 6):
-        callback._on_round(0, stats(r, (0.1,) * 4, synchronous=False))
+        callback._on_round(0, round_stats(r, (16, 16, 8, 4), (0.1,) * 4, synchronous=False))
     assert callback.sizes == (16, 16, 8, 4) and strategy.round_fill is None
 
 
