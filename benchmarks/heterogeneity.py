@@ -32,8 +32,8 @@ that its batches take ``1/f`` as long):
   micro-batch starts a round, one optimizer step per global batch, the
   linear scaling rule, weight prediction, the staleness rule ``"auto"``);
   ``--target-samples``, ``--reference-samples``, ``--step-samples``,
-  ``--no-weight-prediction``, ``--staleness-rule``, ``--final-sync`` and ``--delay`` set the strategy's
-  options (``--target-samples 256 --reference-samples none --step-samples none
+  ``--no-weight-prediction``, ``--staleness-rule``, ``--final-sync``, ``--delay`` and
+  ``--no-overlap-arrival`` set the strategy's options (``--target-samples 256 --reference-samples none --step-samples none
   --no-weight-prediction --staleness-rule none``: the paper's rules at the
   benchmark's earlier round size), ``--abs-batch-size`` its own micro-batch,
   ``--adaptive`` adds ``AdaptiveBatchSize``. An epoch ends when the ranks
@@ -311,7 +311,8 @@ def run_worker(args: argparse.Namespace) -> int:
                                                          step_boundary=args.step_boundary,
                                                          staleness_rule=args.staleness_rule,
                                                          weight_prediction=args.weight_prediction,
-                                                         final_sync=args.final_sync, delay=args.delay)
+                                                         final_sync=args.final_sync, delay=args.delay,
+                                                         overlap_arrival=args.overlap_arrival)
         # Rounds (not optimizer steps): with one step per global batch, rounds per step decide how much of a
         # step's gradient was computed a step earlier.
         strategy.round_listeners.append(lambda index, stats: clock.rounds.append(index))
@@ -455,7 +456,8 @@ def worker_command(args: argparse.Namespace, name: str) -> list[str]:
             "--lr-schedule", args.lr_schedule,
             "--weight-prediction" if args.weight_prediction else "--no-weight-prediction",
             "--abs-epochs", str(args.abs_epochs), "--threads", str(args.threads), "--final-sync", str(args.final_sync),
-            "--delay", str(args.delay), "--device-ms-per-sample", str(args.device_ms_per_sample),
+            "--delay", str(args.delay),
+            "--overlap-arrival" if args.overlap_arrival else "--no-overlap-arrival", "--device-ms-per-sample", str(args.device_ms_per_sample),
             *(["--thread-cpu"] if args.thread_cpu else [])]
 
 
@@ -644,6 +646,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             "interval": args.interval, "reference_samples": args.reference_samples,
             "step_samples": args.step_samples, "step_boundary": args.step_boundary,
             "adaptive": args.adaptive, "arrival": args.arrival, "slices": args.slices, "final_sync": args.final_sync, "delay": args.delay,
+            "overlap_arrival": args.overlap_arrival,
             "abs_epochs": args.abs_epochs, "steps": args.steps, "batch_size": args.batch_size,
             "abs_batch_size": args.abs_batch_size, "repeats": args.repeats, "threads": args.threads,
             "device_ms_per_sample": args.device_ms_per_sample, "environment": environment(args), "results": results,
@@ -746,6 +749,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "recorded before the option existed ran without it)")
     parser.add_argument("--staleness-rule", choices=("auto", "momentum", "inverse", "none"), default="auto",
                         help="abs_sgd's staleness_rule (auto: spike compensation under SGD momentum)")
+    parser.add_argument("--overlap-arrival", action=argparse.BooleanOptionalAction, default=True,
+                        help="abs_sgd's overlap_arrival (default on, the strategy's): with --adaptive --arrival "
+                             "samples|time, an arriving rank computes its next micro-batch while the round completes")
     parser.add_argument("--delay", type=lambda v: v if v == "auto" else int(v), choices=["auto", 0, 1], default="auto",
                         help="abs_sgd's delay: 1 (results one round late, the paper's), 0 (synchronous rounds) or "
                              "auto (default: 0 under AdamW or with --adaptive, 1 otherwise)")

@@ -63,7 +63,7 @@ ABS_SGD_BEFORE: dict[str, Any] = {"final_sync": 0.0, "step_boundary": "at_least"
 #: The imbalance run in README.md's table: the table's rows only, at the current defaults.
 IMBALANCE_FILE = "imbalance_defaults.json"
 #: The heterogeneity run in README.md's table.
-HETEROGENEITY_FILE = "heterogeneity_arrival_samples_5repeats.json"
+HETEROGENEITY_FILE = "heterogeneity_overlap_arrival_5repeats.json"
 
 
 def load(name: str) -> Json:
@@ -239,6 +239,10 @@ def abs_sgd_label(heterogeneity: Json) -> str:
     arrival = heterogeneity.get("arrival", "count")
     if adaptive and arrival != "samples":
         changed.append(f"arrival={arrival!r}")
+    # overlap_arrival=True by default; it acts on arrivals by samples or by time only, and a run from before the
+    # option (absent) waited at every arrival.
+    if adaptive and arrival in ("samples", "time") and not heterogeneity.get("overlap_arrival", False):
+        changed.append("overlap_arrival=False")
     name = "`abs_sgd` + `AdaptiveBatchSize`" if adaptive else "`abs_sgd`"
     return name + " " + (f"(`{', '.join(changed)}`)" if changed else "(defaults)")
 

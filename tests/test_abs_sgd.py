@@ -56,6 +56,7 @@ def test_registry_names():
         ({"delay": True}, r"abs_sgd: delay must be 0, 1 or 'auto', got True"),
         ({"delay": "sometimes"}, r"abs_sgd: delay must be 0, 1 or 'auto'"),
         ({"delay": 1.0}, r"abs_sgd: delay must be 0, 1 or 'auto', got 1.0"),
+        ({"overlap_arrival": "yes"}, r"abs_sgd: overlap_arrival must be a bool, got 'yes'"),
     ],
 )
 def test_bad_configuration_fails_at_construction(kwargs, match):
@@ -77,20 +78,29 @@ def round_stats(r: int, counts, busy, synchronous: bool = True):
                       dropped=(0,) * 4, contributions=sum(counts), divisor=float(sum(counts)), busy=busy)
 
 
-def split_fit_sized_once(out: Path, arrival: str) -> tuple[list[dict], list]:
+def split_fit_sized_once(out: Path, arrival: str, *, overlap: bool = True) -> tuple[list[dict], list]:
     """A 2-epoch AdamW fit under speeds 1, 1, 0.5, 0.25 with ``AdaptiveBatchSize(arrival=arrival)`` (``"samples"``
     or ``"time"``: shares sized once), saving ``mid.ckpt`` at the first epoch's end; checks what both rules
-    share (replicas identical, the save made, ``delay`` 0, every sample applied once at step lag 0, the same
-    updates on every rank, every window synchronous and one size for the fit); the records and rank 0's
-    updates."""
+    share (replicas identical, the save made, ``delay`` 0, every sample applied once, the same updates on every
+    rank, every window synchronous and one size for the fit); the records and rank 0's updates.
+
+    Step lags: with ``overlap_arrival=False`` every micro-batch is applied by the step of its own round (lag 0).
+    With it (the default) an arriving rank's next micro-batch, computed while the round completes, is applied
+    one step late (lag 1): at most one micro-batch (of at most the loader's 16) per round a rank arrived at,
+    and some on every rank but where no round may overlap."""
+    kw = [] if overlap else ["--strategy-kw", json.dumps({"overlap_arrival": False})]
     records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--optimizer", "adamw", "--adaptive",
-                      "--arrival", arrival, "--save-epoch", "0")
+                      "--arrival", arrival, "--save-epoch", "0", *kw)
     assert_identical(out)
     assert (out / "mid.ckpt").is_file()
     assert all(r["update_rule"]["delay"] == 0 for r in records), records[0]["update_rule"]
     for record in records:
         lags = {int(k): n for k, n in record["step_lags"].items()}
-        assert set(lags) == {0} and lags[0] == sum(record["epoch_samples"]), (lags, record["epoch_samples"])
+        context = (lags, record["epoch_samples"], len(record["rounds"]))
+        assert sum(lags.values()) == sum(record["epoch_samples"]), context  # each sample once
+        assert set(lags) <= ({0, 1} if overlap else {0}), context
+        assert lags.get(1, 0) <= 16 * len(record["rounds"]), context
+    assert not overlap or sum(r["step_lags"].get("1", 0) for r in records) > 0, [r["step_lags"] for r in records]
     updates = records[0]["adaptive"]
     assert updates and all(u == records[1]["adaptive"][i] for i, u in enumerate(updates))  # the same everywhere
     assert all(u[3] for u in updates), updates  # every window synchronous: the step split by speed
@@ -249,10 +259,10 @@ def test_arrival_by_time_applies_every_sample_once_in_rounds_of_about_a_step(tmp
     the first window sizes every rank's share as about 4 micro-batches once (the same sizes at every later
     update, on every rank) and every update sets the round's time; each rank arrives by time, so the rounds
     after the first window hold about the step of 4 x 16 samples however many micro-batches each rank ran,
-    the slowest rank's share the smallest; every micro-batch is applied by the step of its own round (step
-    lag 0), each sample once; the batch that ends an epoch arrives, so the epoch-end checkpoint (collective)
+    the slowest rank's share the smallest; with ``overlap_arrival=False`` every micro-batch is applied by the
+    step of its own round (step lag 0), each sample once; the batch that ends an epoch arrives, so the epoch-end checkpoint (collective)
     finds no rank in a round; replicas end bit-identical."""
-    records, updates = split_fit_sized_once(tmp_path / "run", "time")
+    records, updates = split_fit_sized_once(tmp_path / "run", "time", overlap=False)
     assert all(len(r["epoch_batches"]) == 2 for r in records)
     sizes, counts = updates[0][1], updates[0][2]
     assert max(sizes) <= 16 and counts == [4] * 4, updates
@@ -275,7 +285,9 @@ def test_arrival_by_samples_closes_every_round_within_half_a_micro_batch_of_the_
     store and arrives by ``closes_round``, so every round after the first window's holds the step of 4 x 16
     samples to within half the largest micro-batch, but each epoch's last (its last batches arrive whatever the
     count; and the round right after the first window, whose batches Lightning fetched, one ahead, at the
-    loaders' size: a loader with workers would fetch more); every micro-batch is applied by the step of its own round (step lag 0), each sample once; the
+    loaders' size: a loader with workers would fetch more); with ``overlap_arrival`` (the default) every
+    micro-batch is applied by the step of its own round or, computed while a round it arrived at completed, the
+    next (step lag 0 or 1, at most one micro-batch per round), each sample once; the
     epoch-end checkpoint (collective) finds no rank in a round; replicas end bit-identical."""
     records, updates = split_fit_sized_once(tmp_path / "run", "samples")
     sizes = updates[0][1]

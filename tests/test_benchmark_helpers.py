@@ -307,8 +307,12 @@ def test_the_readme_labels_an_abs_sgd_run_by_what_differs_from_todays_defaults()
     today = {"final_sync": 0.05, "step_boundary": "nearest"}
     # delay="auto": 0 with AdaptiveBatchSize or AdamW, 1 otherwise; a run records the value it resolved or was given.
     # AdaptiveBatchSize arrives by samples by default; a run from before its arrival option (absent) arrived by count.
-    filled = {**today, "adaptive": True, "arrival": "samples"}
+    # overlap_arrival=True by default, for arrivals by samples or time; a run from before it (absent) waited.
+    filled = {**today, "adaptive": True, "arrival": "samples", "overlap_arrival": True}
     assert abs_sgd_label({**filled, "delay": 0}) == "`abs_sgd` + `AdaptiveBatchSize` (defaults)"
+    assert abs_sgd_label({**filled, "delay": 0, "overlap_arrival": False}) == (
+        "`abs_sgd` + `AdaptiveBatchSize` (`overlap_arrival=False`)")
+    assert ABSSGDStrategy().overlap_arrival is True  # what the label calls the default
     assert abs_sgd_label({**filled, "delay": 1}) == "`abs_sgd` + `AdaptiveBatchSize` (`delay=1`)"
     assert abs_sgd_label({**today, "adaptive": True, "delay": 0}) == (
         "`abs_sgd` + `AdaptiveBatchSize` (`arrival='count'`)")

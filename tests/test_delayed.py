@@ -51,13 +51,15 @@ def end_of_fit(engine: DelayedAllreduce, rank: int, barrier: threading.Barrier, 
 
 
 def train(config: DelayedConfig, *, delays_ms: tuple[float, ...], agree: dict, keep_stats: bool = False,
-          hold: tuple[int, ...] = (1,) * P, fill: tuple[tuple[int, ...], int] | None = None) -> callable:
+          hold: tuple[int, ...] = (1,) * P, fill: tuple[tuple[int, ...], int] | None = None,
+          go_on: bool = False) -> callable:
     """Each rank deposits micro-batches until the final round, then agrees on the last round and finishes;
     ``keep_stats``: each handed result's record carries its ``stats.busy`` and ``stats.wait_time`` too; ``hold``:
     rank ``i`` arrives with every ``hold[i]``-th micro-batch (``arrive=False`` for the others); ``fill=(sizes,
     R)``: rank ``i``'s micro-batches hold ``sizes[i]`` samples, each counted into its round in the store
     (``count_round_samples``; the counts kept as ``counted``), and a rank arrives by abs_sgd's rule
-    (``closes_round``) instead of ``hold``."""
+    (``closes_round``) instead of ``hold``; ``go_on``: an arriving deposit does not wait for its round
+    (``wait=False``)."""
     from lightning_partial.strategies.abs_sgd import closes_round
 
     barrier = threading.Barrier(P)
@@ -79,7 +81,7 @@ def train(config: DelayedConfig, *, delays_ms: tuple[float, ...], agree: dict, k
                     counted.append(count)
                     arrive = count is None or closes_round(count, b, sum(sizes) - b, target)
                 called = time.perf_counter()
-                results = engine.deposit([g], samples=b, arrive=arrive)
+                results = engine.deposit([g], samples=b, arrive=arrive, wait=not go_on)
                 durations.append(time.perf_counter() - called)
                 into = engine.deposit_round  # the round that takes this micro-batch
                 deposits.append((g, b, into, engine.started_round))
@@ -307,6 +309,44 @@ def test_rounds_that_close_on_samples_hold_the_step_to_within_half_a_micro_batch
         assert engine.count_round_samples(3) is None  # an asynchronous round takes what the rank holds
     finally:
         engine.close()
+
+
+def test_an_arrival_that_goes_on_is_handed_its_round_at_the_next_deposit_which_does_not_arrive():
+    """As above (arrival by samples), each arriving deposit with ``wait=False``: it returns once its round ``q``
+    was taken, without ``q``'s result; the rank's next micro-batch goes into ``q + 1``, and that deposit does not
+    arrive (whatever it asked) and hands ``q``, alone: every round is handed once, in order, and every round
+    before the one a rank arrives at was handed before it arrives. The two rounds before ``max_rounds``'s last,
+    and the last itself, wait (the fit's end), as every rank's first (no round's size known yet); the others
+    go on, on every rank. Every round holds exactly the samples counted for it, each rank's column the
+    micro-batches it counted there; the update is the sample-weighted sum, bit-identical everywhere, nothing
+    lost; no count left in the store."""
+    sizes, target, rounds = (6, 6, 3, 2), 40, 12
+    config = DelayedConfig(target_samples=4, max_rounds=rounds, sync_from=0, epoch_samples=100_000,
+                           timeout=timedelta(seconds=30), name="goon")
+    records = run_threads(P, train(config, delays_ms=(1.0, 1.5, 2.0, 4.0), agree={}, fill=(sizes, target), go_on=True))
+    results = check_sums_and_conservation(records)
+    assert sorted(results) == list(range(rounds + 1))  # and the end of fit's round
+    last_count: dict[int, int] = {}
+    for rank, record in enumerate(records):
+        into = [d[2] for d in record["deposits"]]
+        handed = [[x[0] for x in batch] for batch in record["handed_at"]]
+        per_round: dict[int, int] = {}
+        for (_, b, q, _), count in zip(record["deposits"], record["counted"]):
+            per_round[q] = per_round.get(q, 0) + b
+            last_count[q] = max(last_count.get(q, 0), count)
+        went_on = []
+        for q in range(rounds):
+            assert results[q][1][rank] == per_round[q], (rank, q)  # each micro-batch joined the round it counted in
+            k = max(i for i, r in enumerate(into) if r == q)  # the deposit that arrived at q
+            if handed[k] and handed[k][-1] == q:
+                continue  # waited: q handed at once
+            went_on.append(q)
+            assert q not in handed[k] and handed[k + 1] == [q] and into[k + 1] == q + 1, (rank, q, handed[k:k + 2])
+            assert into[k + 2] == q + 1, (rank, q)  # the deposit that handed q did not arrive at q + 1
+        assert went_on and min(went_on) >= 1 and max(went_on) <= rounds - 4, (rank, went_on)
+    for q in range(rounds):
+        assert sum(results[q][1]) == last_count[q], (q, results[q][1])
+    assert records[0]["keys"] == [], records[0]["keys"]
 
 
 def test_a_synchronous_round_takes_every_micro_batch_a_rank_held_before_it_arrived():

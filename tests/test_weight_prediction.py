@@ -119,6 +119,7 @@ def test_the_update_rule_is_logged_as_hyperparameters(tmp_path, name, rule, pred
         assert hparams["partial/step_samples"] == "global_batch"  # one optimizer step per global batch
         assert hparams["partial/step_boundary"] == "nearest"  # the step ends at the round nearest to it
         assert hparams["partial/delay"] == 1  # "auto" under SGD: the paper's one-round delay
+        assert hparams["partial/overlap_arrival"] is True  # arrivals by samples or time go on (AdaptiveBatchSize)
 
 
 @pytest.mark.timeout(120)

@@ -61,7 +61,12 @@ here (**Decisions**; the semantics in docs/algorithms.md, abs_sgd):
   them, and the round's allreduce is paid once; :meth:`count_round_samples`
   counts a rank's micro-batches into the round in the store before it
   deposits them, so that a caller can arrive once the round holds enough
-  over every rank. At the switch, a rank
+  over every rank. An arrival with ``wait=False`` goes on once the round is
+  taken: the caller's next micro-batch, computed while the round completes,
+  goes into the next round, and the deposit that carries it does not arrive
+  but waits for the round and hands it (so a rank arrives at a round only once
+  every round before it was handed); not where the round may end an epoch
+  or the fit. At the switch, a rank
   whose micro-batch spanned the last asynchronous rounds may deposit next
   into the first synchronous round before it was handed the rounds before
   the last asynchronous one, which the other ranks were handed at their
@@ -289,6 +294,11 @@ class DelayedAllreduce(PartialAllreduce):
         self._counting = False
         self._counted_from = 0  # the first round this rank counted into
         self._discarded_through = -1  # rank 0: the last round whose count it discarded (communication thread)
+        # The last synchronous round this rank arrived at without waiting (deposit(wait=False)): handed at its
+        # next deposit. The largest synchronous round's samples so far: how far from an epoch's (or the fit's)
+        # end such an arrival must be (_may_overlap).
+        self._overlapped = -1
+        self._largest_sync_round = 0
         # Held while deciding to activate and activating: after pause() returns, this
         # rank activates nothing.
         self._activation_lock = threading.Lock()
@@ -336,7 +346,7 @@ class DelayedAllreduce(PartialAllreduce):
             return self._final_round
 
     def deposit(self, tensors: Tensors, samples: int, *, arrive: bool = True,
-                epoch: Optional[int] = None) -> list[RoundResult]:
+                epoch: Optional[int] = None, wait: bool = True) -> list[RoundResult]:
         """Adds a micro-batch (its *mean* gradient over ``samples`` samples); returns the results now due.
 
         A result is due once the round after it has started on this rank; they
@@ -360,18 +370,24 @@ class DelayedAllreduce(PartialAllreduce):
         ranks that saw the epoch end before their batch began; see the module
         docstring).
         ``arrive`` has no effect on an asynchronous round (its trigger decides).
+        ``wait=False`` (an arriving deposit in a synchronous round): the call returns once this rank's
+        communication thread has taken the round, without its result, so that the caller computes its next
+        micro-batch while the round completes (that micro-batch, computed without the round's update, goes
+        into the next round); the next deposit does not arrive (held, as with ``arrive=False``), waits for
+        the round and returns its result. Honoured only where the round cannot end an epoch or the fit
+        (:meth:`_may_overlap`); elsewhere the arrival waits, as with ``wait=True``.
         The time since the previous call returned is this micro-batch's work,
         reported per rank in the round's ``RoundStats.busy``.
         """
         arrived = time.monotonic()
         busy = 0.0 if self._returned_at is None else arrived - self._returned_at
         try:
-            return self._deposit(tensors, samples, busy, arrive=arrive, epoch=epoch)
+            return self._deposit(tensors, samples, busy, arrive=arrive, epoch=epoch, wait=wait)
         finally:
             self._returned_at = time.monotonic()
 
     def _deposit(self, tensors: Tensors, samples: int, busy: float, *, arrive: bool = True,
-                 epoch: Optional[int] = None) -> list[RoundResult]:
+                 epoch: Optional[int] = None, wait: bool = True) -> list[RoundResult]:
         """:meth:`deposit`, with the seconds of work behind the micro-batch (0.0 for the first)."""
         self._check_running("deposit")
         check_int("samples", samples, owner=f"rank {self.rank}")
@@ -419,10 +435,17 @@ class DelayedAllreduce(PartialAllreduce):
             # Stays in the send buffer for this rank's next arrival: asked for, or this rank is behind
             # (:meth:`_behind`; the rounds before q - 1 are handed now, round q - 1 with q as always).
             behind = synchronous and self._behind(q)
-            held = synchronous and (not arrive or behind or self._epoch_ended(epoch))
+            # A round this rank arrived at without waiting, not handed yet (whatever round this micro-batch
+            # goes into): this deposit hands it and does not arrive, so that every round before the one a rank
+            # arrives at was handed to its caller (and acted on: a step checkpoint's save) before it arrives.
+            overlapped = self._overlapped if self._overlapped > self._handed_through() else None
+            held = synchronous and (not arrive or behind or overlapped is not None or self._epoch_ended(epoch))
             if behind and arrive:
                 logger.debug("rank %d: holds its arrival at synchronous round %d until rounds %d-%d are applied",
                              self.rank, q, self._handed + 1, q - 2)
+            go_on = synchronous and not held and not wait and self._may_overlap(q)
+            if go_on:
+                self._overlapped = q
             if synchronous and not held:
                 self._mark_arrival(q)
             pending = sum(p.samples for p in deposits)  # the send buffer itself: d is in it
@@ -435,8 +458,12 @@ class DelayedAllreduce(PartialAllreduce):
         if wake is not None:
             assert self._control is not None
             self._control.wake(wake)  # the communication thread activates the round for everybody
+        if go_on:
+            return self._await_taken(q)
         if synchronous and not held:
             return self._await_synchronous(q)
+        if overlapped is not None:
+            return self._await_synchronous(overlapped)
         if triggered:
             # This micro-batch completes round q on this rank: wait until the round has
             # started here (its communication thread snapshots it once round q - 1 has
@@ -805,6 +832,43 @@ class DelayedAllreduce(PartialAllreduce):
         n = self.delayed.epoch_samples
         return epoch is not None and n is not None and self._global_samples >= (epoch + 1) * n
 
+    def _may_overlap(self, q: int) -> bool:
+        """Under ``self._cond``: whether an arrival at synchronous round ``q`` may go on without waiting for it.
+
+        Not where ``q`` may end an epoch or the fit: an epoch's last batch arrives and waits (its epoch-end
+        hooks may be collective), and no round a rank arrived at without waiting may be outstanding then.
+        Every round before ``q`` has completed here (it was handed), so the global samples are known through
+        ``q - 1``: ``q`` may go on if twice the largest synchronous round so far still leaves them short of the
+        next epoch's end (``max_epochs``'s included), and ``q`` is at least three rounds before ``max_rounds``'s last.
+        Never before a synchronous round has completed (no size known), nor once a stop or the final round is
+        known, nor without ``epoch_samples`` (the epochs' ends unknown).
+        """
+        d = self.delayed
+        if (self._stop_round is not None or self._final_round is not None or self._closing
+                or self._largest_sync_round == 0 or d.epoch_samples is None):
+            return False
+        if d.max_rounds is not None and q + 2 >= d.max_rounds - 1:
+            return False
+        next_end = (self._global_samples // d.epoch_samples + 1) * d.epoch_samples
+        return self._global_samples + 2 * self._largest_sync_round < next_end
+
+    def _await_taken(self, q: int) -> list[RoundResult]:
+        """Caller's thread, after arriving at synchronous round ``q`` without waiting for it (``deposit(wait=False)``):
+        returns once this rank's communication thread has taken the round (its send buffer), so that the next
+        micro-batch goes into round ``q + 1``. Its result is handed at the next deposit. Nothing else is due:
+        every round before ``q`` was handed before this rank arrived."""
+        def taken() -> bool:
+            self._raise_if_failed(q)
+            if self._closing:
+                raise EngineClosedError(f"close() was called while synchronous round {q} was being taken",
+                                        rank=self.rank, round_index=q)
+            return self._snapshotted >= q or self._stop_round is not None
+
+        self._caller_wait(taken, q, f"synchronous round {q} was not taken (is this rank's communication thread stalled?)")
+        with self._cond:
+            limit = q - 1 if self._stop_round is None else min(q - 1, self._stop_round)
+        return self._take_due(limit=limit)
+
     def _await_synchronous(self, q: int) -> list[RoundResult]:
         """Caller's thread, after arriving at synchronous round ``q``: waits for it; returns the results due."""
         # Every rank arrives at round q; the round waits for the slowest.
@@ -919,6 +983,8 @@ class DelayedAllreduce(PartialAllreduce):
                 d = self.delayed
                 epochs = self._global_samples // d.epoch_samples if d.epoch_samples else 0
                 self._global_samples += int(result.stats.contributions)
+                if result.stats.synchronous:
+                    self._largest_sync_round = max(self._largest_sync_round, int(result.stats.contributions))
                 if d.epoch_samples:
                     for epoch in range(epochs, self._global_samples // d.epoch_samples):
                         self._epoch_end_rounds[epoch] = r

@@ -70,7 +70,14 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   micro-batches on every rank, in lock-step; with ``arrival="time"`` with the micro-batch that ends
   nearest to the round's time, ``round_seconds``, read from ``DelayedAllreduce.work_since_arrival``);
   what a round costs beyond the slowest share is its allreduce, no longer
-  hidden behind the next micro-batches. ``"auto"`` (default): ``0`` when every
+  hidden behind the next micro-batches, and the wait for the last arrival.
+  By samples or by time a rank that arrives does not wait
+  (``overlap_arrival=True``, ``DelayedAllreduce.deposit(wait=False)``): it
+  computes its next micro-batch while the round completes, at the predicted
+  weights, and applies the round's result after it; that micro-batch joins
+  the next round one step late, and the deposit that hands the round does not
+  arrive (so every round before the one a rank arrives at was applied, and its
+  saves made, first). Not near an epoch's or the fit's end. ``"auto"`` (default): ``0`` when every
   optimizer is Adam-like (``betas``) or an ``AdaptiveBatchSize`` callback is in
   the fit, ``1`` otherwise. Under AdamW no update rule made a result one round
   late as good as a fresh one; under SGD momentum with ``AdaptiveBatchSize``
@@ -331,6 +338,14 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             and others with ``betas``) or an ``AdaptiveBatchSize`` callback is in the
             fit (persistent speeds, which its sizes follow), ``1`` otherwise. Measured
             in docs/staleness.md (abs_sgd without the delay).
+        overlap_arrival: ``True`` (default): in synchronous rounds whose arrivals are not in lock-step
+            (``AdaptiveBatchSize(arrival="samples")`` or ``"time"``), a rank that arrives does not wait for the
+            round: it computes its next micro-batch while the round's allreduce runs and the other ranks finish
+            theirs, and applies the round's result after it (``DelayedAllreduce.deposit(wait=False)``). That
+            micro-batch's gradient lacks the round's update (computed at the predicted weights where
+            ``weight_prediction`` is on) and joins the next round; every other gradient stays fresh. Not in the
+            rounds that may end an epoch or the fit, where every rank waits as before. ``False``: every arrival
+            waits for its round (every gradient fresh). Measured in docs/staleness.md (overlapped arrivals).
         shuffle, seed: the elastic sampler's shuffling (as ``DistributedSampler``'s); a train loader
             built with ``shuffle=False`` keeps its order. ``seed=None`` (default): the seed of the
             ``DistributedSampler`` it replaces, which Lightning seeds by ``seed_everything``
@@ -361,6 +376,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         weight_prediction: bool = True,
         final_sync: float = 0.05,
         delay: Union[int, str] = "auto",
+        overlap_arrival: bool = True,
         shuffle: bool = True,
         seed: Optional[int] = None,
         find_unused_parameters: bool = False,
@@ -404,6 +420,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         if not ((type(delay) is int and delay in DELAYS) or delay == "auto"):
             raise ValueError(f"{self.strategy_name}: delay must be 0, 1 or 'auto', got {delay!r}")
         self.delay = delay
+        if not isinstance(overlap_arrival, bool):
+            raise ValueError(f"{self.strategy_name}: overlap_arrival must be a bool, got {overlap_arrival!r}")
+        self.overlap_arrival = overlap_arrival
         self._delay: Optional[int] = None  # resolved at set-up (from the optimizers under "auto")
         self.sampler: Optional[ElasticBatchSampler] = None
         #: Every rank's loader batch size at the start of this fit (agreed when the engines start: one
@@ -735,11 +754,12 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     @override
     def update_rule(self) -> dict[str, Any]:
         """The base class's, ``step_samples`` as configured (``"global_batch"``, an integer, or ``None``),
-        ``step_boundary`` and ``delay`` (resolved: 0 or 1; as configured before set-up). With ``delay=0``
-        what is in force: ``final_sync`` 1.0 (every round synchronous) and ``staleness_rule`` ``"none"``
-        (nothing is late)."""
+        ``step_boundary``, ``delay`` (resolved: 0 or 1; as configured before set-up) and ``overlap_arrival``.
+        With ``delay=0`` what is in force: ``final_sync`` 1.0 (every round synchronous) and ``staleness_rule``
+        ``"none"`` (no result is late; with ``overlap_arrival``, one micro-batch per rank and round is a step late,
+        taken whole: ``partial/step_lag`` shows it)."""
         rule = {**super().update_rule(), "step_samples": self.step_samples, "step_boundary": self.step_boundary,
-                "delay": self.delay if self._delay is None else self._delay}
+                "delay": self.delay if self._delay is None else self._delay, "overlap_arrival": self.overlap_arrival}
         if self._delay == 0:
             rule["final_sync"] = 1.0
             if "staleness_rule" in rule:
@@ -937,7 +957,11 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         # A batch that does not end its epoch (as its start saw the rounds) gives the epoch: if the rounds end
         # it meanwhile, the next batch, which ends it, is the one that arrives (as on every other rank).
         epoch = self._trainer.current_epoch if self._arrive_now is None else None
-        results = engine.deposit(grads, samples=samples, arrive=arrive, epoch=epoch)
+        # Arrivals by samples or by time (not in lock-step: no per-batch collective pairs them) go on with the
+        # next micro-batch while the round completes, where the engine allows it (not near an epoch's end).
+        go_on = (self.overlap_arrival and self._arrive_now is None
+                 and (self.round_fill is not None or self.round_seconds is not None))
+        results = engine.deposit(grads, samples=samples, arrive=arrive, epoch=epoch, wait=not go_on)
         # Counted from the last arrival (the engine may hold one it was asked to make: see its deposit()).
         self._held[index] = held if engine.holding else 0
         self.step_lags.deposited(index, engine.deposit_round, steps_before, samples)
