@@ -87,7 +87,7 @@ def split_fit_sized_once(out: Path, arrival: str, *, overlap: bool = True) -> tu
     Step lags: with ``overlap_arrival=False`` every micro-batch is applied by the step of its own round (lag 0).
     With it (the default) an arriving rank's next micro-batch, computed while the round completes, is applied
     one step late (lag 1): at most one micro-batch (of at most the loader's 16) per round a rank arrived at,
-    and some on every rank but where no round may overlap."""
+    and some over the ranks."""
     kw = [] if overlap else ["--strategy-kw", json.dumps({"overlap_arrival": False})]
     records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--optimizer", "adamw", "--adaptive",
                       "--arrival", arrival, "--save-epoch", "0", *kw)
@@ -254,15 +254,17 @@ def test_adamw_runs_synchronous_rounds_sized_by_each_ranks_measured_speed(tmp_pa
 
 
 @pytest.mark.timeout(300)
-def test_arrival_by_time_applies_every_sample_once_in_rounds_of_about_a_step(tmp_path):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "wait"])
+def test_arrival_by_time_applies_every_sample_once_in_rounds_of_about_a_step(tmp_path, overlap):
     """AdamW under speeds 1, 1, 0.5, 0.25 at the defaults (``delay=0``) with ``AdaptiveBatchSize(arrival="time")``:
     the first window sizes every rank's share as about 4 micro-batches once (the same sizes at every later
     update, on every rank) and every update sets the round's time; each rank arrives by time, so the rounds
     after the first window hold about the step of 4 x 16 samples however many micro-batches each rank ran,
-    the slowest rank's share the smallest; with ``overlap_arrival=False`` every micro-batch is applied by the
-    step of its own round (step lag 0), each sample once; the batch that ends an epoch arrives, so the epoch-end checkpoint (collective)
-    finds no rank in a round; replicas end bit-identical."""
-    records, updates = split_fit_sized_once(tmp_path / "run", "time", overlap=False)
+    the slowest rank's share the smallest; every sample is applied once, with ``overlap_arrival=False`` by the
+    step of its own round (step lag 0), with it (the default) at most one micro-batch per round a step later;
+    the batch that ends an epoch arrives, so the epoch-end checkpoint (collective) finds no rank in a round;
+    replicas end bit-identical."""
+    records, updates = split_fit_sized_once(tmp_path / "run", "time", overlap=overlap)
     assert all(len(r["epoch_batches"]) == 2 for r in records)
     sizes, counts = updates[0][1], updates[0][2]
     assert max(sizes) <= 16 and counts == [4] * 4, updates
@@ -284,11 +286,13 @@ def test_arrival_by_samples_closes_every_round_within_half_a_micro_batch_of_the_
     strategy (``round_fill``, the same on every rank); each rank counts its micro-batches into the round in the
     store and arrives by ``closes_round``, so every round after the first window's holds the step of 4 x 16
     samples to within half the largest micro-batch, but each epoch's last (its last batches arrive whatever the
-    count; and the round right after the first window, whose batches Lightning fetched, one ahead, at the
-    loaders' size: a loader with workers would fetch more); with ``overlap_arrival`` (the default) every
-    micro-batch is applied by the step of its own round or, computed while a round it arrived at completed, the
-    next (step lag 0 or 1, at most one micro-batch per round), each sample once; the
-    epoch-end checkpoint (collective) finds no rank in a round; replicas end bit-identical."""
+    count; the round right after the first window, whose batches Lightning fetched, one ahead, at the
+    loaders' size: a loader with workers would fetch more; and, with ``overlap_arrival``, a round a rank arrived
+    at one micro-batch late, the micro-batch right after going on from the round before being held: up to one
+    micro-batch more; most rounds hold the step to within half a micro-batch); with ``overlap_arrival`` (the
+    default) every micro-batch is applied by the step of its own round or, computed while a round it arrived at
+    completed, the next (step lag 0 or 1, at most one micro-batch per round), each sample once; the epoch-end
+    checkpoint (collective) finds no rank in a round; replicas end bit-identical."""
     records, updates = split_fit_sized_once(tmp_path / "run", "samples")
     sizes = updates[0][1]
     assert max(sizes) <= 16 and [(r["fit_arrival"], r["round_fill"], r["round_seconds"]) for r in records] == [
@@ -302,7 +306,12 @@ def test_arrival_by_samples_closes_every_round_within_half_a_micro_batch_of_the_
         total += sum(counts)
         if r > first + 1 and total not in epoch_ends:
             held.append(sum(counts))
-    assert len(held) > 20 and all(abs(n - 64) <= max(sizes) / 2 for n in held), (sizes, held)
+    # Within half the largest micro-batch of the step; a rank whose micro-batch right after going on from a round
+    # would have closed the next one arrives with the micro-batch after it (overlap_arrival): that round holds up
+    # to one micro-batch more. Most rounds are not such a round.
+    b = max(sizes)
+    assert len(held) > 20 and all(-b / 2 <= n - 64 <= 1.5 * b for n in held), (sizes, held)
+    assert sorted(abs(n - 64) for n in held)[len(held) // 2] <= b / 2, (sizes, held)
 
 
 @pytest.fixture(scope="module")

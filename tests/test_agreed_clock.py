@@ -144,6 +144,29 @@ def test_abs_sgd_ends_and_saves_at_the_same_round_whatever_its_batches(tmp_path,
 
 
 @pytest.mark.timeout(300)
+def test_abs_sgd_arrivals_that_go_on_end_save_and_validate_alike_under_a_time_limit(tmp_path):
+    """``AdaptiveBatchSize`` (arrival by samples) with ``overlap_arrival`` (the default: an arriving rank computes
+    its next micro-batch while the round completes, and is handed the round in the next batch), speeds 1, 1,
+    0.5, 0.25, a time limit (rank 0 asks for the finish in whatever round: usually one the ranks went on from),
+    time-based saves and saves every 5 steps, validation at every epoch end: whether such a round has completed
+    at a rank's next batch start differs between ranks, so each counts it once handed; every rank then ends at
+    the same step, takes part in every save in the same order and validates as often, and the replicas end
+    bit-identical (before, a round that ended an epoch or the fit while outstanding could pair one rank's save
+    with another's validation). ``timeout`` bounds every wait at 60 s."""
+    out = tmp_path / "run"
+    records = timed_fit(out, "abs_sgd", "--speed", "1,1,0.5,0.25", "--adaptive", "--validate",
+                        "--checkpoint-seconds", "0.5", "--checkpoint-every", "5",
+                        "--strategy-kw", json.dumps({"timeout": 60}), seconds=6.0)
+    assert_finished_alike(out, records)
+    assert all(r["update_rule"]["overlap_arrival"] for r in records)
+    assert sum(r["step_lags"].get("1", 0) for r in records) > 0, [r["step_lags"] for r in records]  # it went on
+    assert all(r["saved_names"] == records[0]["saved_names"] for r in records)
+    assert len({len(r["saved_at"]) for r in records}) == 1 and records[0]["saved_at"], records[0]["saved_at"]
+    assert len({len(r["validated_at"]) for r in records}) == 1 and records[0]["validated_at"], records[0]
+    assert time_checkpoints(out, "abs_sgd", "abs_sgd")
+
+
+@pytest.mark.timeout(300)
 def test_abs_sgd_saves_before_every_epoch_end_on_every_rank(tmp_path):
     """The paper's delay without the synchronous finish (every round asynchronous to the end), speeds 1, 1,
     0.5, 0.25, a step checkpoint at every step, validation (a collective) at each of 3 epoch ends: a rank

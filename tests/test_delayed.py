@@ -315,14 +315,13 @@ def test_an_arrival_that_goes_on_is_handed_its_round_at_the_next_deposit_which_d
     """As above (arrival by samples), each arriving deposit with ``wait=False``: it returns once its round ``q``
     was taken, without ``q``'s result; the rank's next micro-batch goes into ``q + 1``, and that deposit does not
     arrive (whatever it asked) and hands ``q``, alone: every round is handed once, in order, and every round
-    before the one a rank arrives at was handed before it arrives. The two rounds before ``max_rounds``'s last,
-    and the last itself, wait (the fit's end), as every rank's first (no round's size known yet); the others
-    go on, on every rank. Every round holds exactly the samples counted for it, each rank's column the
-    micro-batches it counted there; the update is the sample-weighted sum, bit-identical everywhere, nothing
-    lost; no count left in the store."""
+    before the one a rank arrives at was handed before it arrives. Every round goes on, on every rank, the
+    final one included (it is not known final before it completes). Every round holds exactly the samples
+    counted for it, each rank's column the micro-batches it counted there; the update is the sample-weighted
+    sum, bit-identical everywhere, nothing lost; no count left in the store."""
     sizes, target, rounds = (6, 6, 3, 2), 40, 12
-    config = DelayedConfig(target_samples=4, max_rounds=rounds, sync_from=0, epoch_samples=100_000,
-                           timeout=timedelta(seconds=30), name="goon")
+    config = DelayedConfig(target_samples=4, max_rounds=rounds, sync_from=0, timeout=timedelta(seconds=30),
+                           name="goon")
     records = run_threads(P, train(config, delays_ms=(1.0, 1.5, 2.0, 4.0), agree={}, fill=(sizes, target), go_on=True))
     results = check_sums_and_conservation(records)
     assert sorted(results) == list(range(rounds + 1))  # and the end of fit's round
@@ -333,7 +332,8 @@ def test_an_arrival_that_goes_on_is_handed_its_round_at_the_next_deposit_which_d
         per_round: dict[int, int] = {}
         for (_, b, q, _), count in zip(record["deposits"], record["counted"]):
             per_round[q] = per_round.get(q, 0) + b
-            last_count[q] = max(last_count.get(q, 0), count)
+            if count is not None:  # None: counted after the final round (the end of fit's round takes it)
+                last_count[q] = max(last_count.get(q, 0), count)
         went_on = []
         for q in range(rounds):
             assert results[q][1][rank] == per_round[q], (rank, q)  # each micro-batch joined the round it counted in
@@ -342,11 +342,45 @@ def test_an_arrival_that_goes_on_is_handed_its_round_at_the_next_deposit_which_d
                 continue  # waited: q handed at once
             went_on.append(q)
             assert q not in handed[k] and handed[k + 1] == [q] and into[k + 1] == q + 1, (rank, q, handed[k:k + 2])
-            assert into[k + 2] == q + 1, (rank, q)  # the deposit that handed q did not arrive at q + 1
-        assert went_on and min(went_on) >= 1 and max(went_on) <= rounds - 4, (rank, went_on)
+            # The deposit that handed q did not arrive at q + 1 (after the final round the loop ends there).
+            assert q == rounds - 1 or into[k + 2] == q + 1, (rank, q)
+        assert went_on == list(range(rounds)), (rank, went_on)
     for q in range(rounds):
         assert sum(results[q][1]) == last_count[q], (q, results[q][1])
     assert records[0]["keys"] == [], records[0]["keys"]
+
+
+def test_a_round_a_rank_went_on_from_counts_in_progress_once_handed():
+    """One rank, epochs of 4 samples: a deposit of 4 that goes on (``wait=False``) completes round 0, which ends
+    epoch 0, but ``progress()`` leaves it out (no epoch completed, no epoch-end round) until the next deposit
+    hands it, whatever the time in between; the same with the final round (``max_epochs=2``): ``progress()``
+    names it final only once it was handed. Not going on once the final round is known: that deposit waits."""
+    config = DelayedConfig(target_samples=1, sync_from=0, epoch_samples=4, max_epochs=2,
+                           timeout=timedelta(seconds=30), name="hidden")
+    engine = DelayedAllreduce(config, store=dist.HashStore(), rank=0, world_size=1,
+                              like=[torch.zeros(2, dtype=torch.float64)]).start()
+    try:
+        g = torch.ones(2, dtype=torch.float64)
+        assert engine.deposit([g], samples=4, wait=False) == []  # round 0 taken, not handed
+        deadline = time.monotonic() + 10
+        while engine.global_samples < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.global_samples == 4  # completed: it ended epoch 0 ...
+        hidden = engine.progress()
+        assert (hidden.epochs_completed, hidden.epoch_end_rounds, hidden.final_round) == (0, {}, None)  # ... hidden
+        handed = engine.deposit([g], samples=4, wait=False)  # held: hands round 0, does not arrive at round 1
+        assert [r.round_index for r in handed] == [0]
+        shown = engine.progress()
+        assert (shown.epochs_completed, shown.epoch_end_rounds) == (1, {0: 0})
+        assert engine.deposit([g], samples=4, wait=False) == []  # arrives at round 1 (both micro-batches), goes on
+        deadline = time.monotonic() + 10
+        while engine.final_round is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.final_round == 1 and engine.progress().final_round is None  # completed, final, hidden
+        assert [r.round_index for r in engine.deposit([g], samples=4, wait=False)] == [1]  # handed, nothing arrives
+        assert engine.progress().final_round == 1 and engine.progress().epochs_completed == 3
+    finally:
+        engine.close()
 
 
 def test_a_synchronous_round_takes_every_micro_batch_a_rank_held_before_it_arrived():

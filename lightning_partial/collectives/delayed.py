@@ -65,8 +65,9 @@ here (**Decisions**; the semantics in docs/algorithms.md, abs_sgd):
   taken: the caller's next micro-batch, computed while the round completes,
   goes into the next round, and the deposit that carries it does not arrive
   but waits for the round and hands it (so a rank arrives at a round only once
-  every round before it was handed); not where the round may end an epoch
-  or the fit. At the switch, a rank
+  every round before it was handed); :meth:`progress` counts the round once
+  it is handed, so that every rank learns of an epoch's or the fit's end at
+  the same batch relative to its rounds. At the switch, a rank
   whose micro-batch spanned the last asynchronous rounds may deposit next
   into the first synchronous round before it was handed the rounds before
   the last asynchronous one, which the other ranks were handed at their
@@ -295,10 +296,10 @@ class DelayedAllreduce(PartialAllreduce):
         self._counted_from = 0  # the first round this rank counted into
         self._discarded_through = -1  # rank 0: the last round whose count it discarded (communication thread)
         # The last synchronous round this rank arrived at without waiting (deposit(wait=False)): handed at its
-        # next deposit. The largest synchronous round's samples so far: how far from an epoch's (or the fit's)
-        # end such an arrival must be (_may_overlap).
+        # next deposit, and hidden from progress() until then. The global samples before the latest completed
+        # round: what progress() reports while that round is hidden.
         self._overlapped = -1
-        self._largest_sync_round = 0
+        self._samples_before_last = 0
         # Held while deciding to activate and activating: after pause() returns, this
         # rank activates nothing.
         self._activation_lock = threading.Lock()
@@ -311,13 +312,27 @@ class DelayedAllreduce(PartialAllreduce):
             return self._global_samples
 
     def progress(self) -> "RoundProgress":
-        """What the completed rounds say about the epochs and the fit's end, read at once (one lock)."""
+        """What the completed rounds say about the epochs and the fit's end, read at once (one lock).
+
+        A round this rank arrived at without waiting (``deposit(wait=False)``) counts only once it has been handed:
+        whether it has completed by this rank's next batch start differs from rank to rank, while every rank that
+        went on from it is handed it in that batch's deposit. So every rank learns that the round ended an epoch
+        or the fit at the same batch relative to its rounds (the batch after the one that handed it), as every rank
+        does without overlap (the batch after the one that arrived at it)."""
         n = self.delayed.epoch_samples
         with self._cond:
+            hidden = self._overlapped if self._overlapped > self._handed_through() else None
+            if hidden is not None and self._completed >= hidden:
+                # It is the latest completed round: none after it completes before this rank arrives again.
+                samples = self._samples_before_last
+                final = self._final_round if self._final_round is not None and self._final_round < hidden else None
+                ends = {e: r for e, r in self._epoch_end_rounds.items() if r < hidden}
+            else:
+                samples, final, ends = self._global_samples, self._final_round, dict(self._epoch_end_rounds)
             return RoundProgress(
-                final_round=self._final_round,
-                epochs_completed=self._global_samples // n if n else 0,
-                epoch_end_rounds=dict(self._epoch_end_rounds),
+                final_round=final,
+                epochs_completed=samples // n if n else 0,
+                epoch_end_rounds=ends,
                 sync_from=self._sync_from,
             )
 
@@ -374,8 +389,8 @@ class DelayedAllreduce(PartialAllreduce):
         communication thread has taken the round, without its result, so that the caller computes its next
         micro-batch while the round completes (that micro-batch, computed without the round's update, goes
         into the next round); the next deposit does not arrive (held, as with ``arrive=False``), waits for
-        the round and returns its result. Honoured only where the round cannot end an epoch or the fit
-        (:meth:`_may_overlap`); elsewhere the arrival waits, as with ``wait=True``.
+        the round and returns its result; until then :meth:`progress` leaves the round out. Not once a stop or
+        the final round is known (:meth:`_may_overlap`): the arrival waits then, as with ``wait=True``.
         The time since the previous call returned is this micro-batch's work,
         reported per rank in the round's ``RoundStats.busy``.
         """
@@ -833,24 +848,12 @@ class DelayedAllreduce(PartialAllreduce):
         return epoch is not None and n is not None and self._global_samples >= (epoch + 1) * n
 
     def _may_overlap(self, q: int) -> bool:
-        """Under ``self._cond``: whether an arrival at synchronous round ``q`` may go on without waiting for it.
-
-        Not where ``q`` may end an epoch or the fit: an epoch's last batch arrives and waits (its epoch-end
-        hooks may be collective), and no round a rank arrived at without waiting may be outstanding then.
-        Every round before ``q`` has completed here (it was handed), so the global samples are known through
-        ``q - 1``: ``q`` may go on if twice the largest synchronous round so far still leaves them short of the
-        next epoch's end (``max_epochs``'s included), and ``q`` is at least three rounds before ``max_rounds``'s last.
-        Never before a synchronous round has completed (no size known), nor once a stop or the final round is
-        known, nor without ``epoch_samples`` (the epochs' ends unknown).
+        """Under ``self._cond``: whether an arrival at synchronous round ``q`` may go on without waiting for it: not
+        once a stop or the final round is known (no round follows them), nor while closing. Every round before
+        ``q`` was handed (and completed) before this rank arrives at ``q``, and ``q`` cannot complete without
+        this rank: the decision reads the rounds before ``q`` only, the same on every rank.
         """
-        d = self.delayed
-        if (self._stop_round is not None or self._final_round is not None or self._closing
-                or self._largest_sync_round == 0 or d.epoch_samples is None):
-            return False
-        if d.max_rounds is not None and q + 2 >= d.max_rounds - 1:
-            return False
-        next_end = (self._global_samples // d.epoch_samples + 1) * d.epoch_samples
-        return self._global_samples + 2 * self._largest_sync_round < next_end
+        return self._stop_round is None and self._final_round is None and not self._closing
 
     def _await_taken(self, q: int) -> list[RoundResult]:
         """Caller's thread, after arriving at synchronous round ``q`` without waiting for it (``deposit(wait=False)``):
@@ -864,7 +867,8 @@ class DelayedAllreduce(PartialAllreduce):
                                         rank=self.rank, round_index=q)
             return self._snapshotted >= q or self._stop_round is not None
 
-        self._caller_wait(taken, q, f"synchronous round {q} was not taken (is this rank's communication thread stalled?)")
+        self._caller_wait(taken, q,
+                          f"synchronous round {q} was not taken (is this rank's communication thread stalled?)")
         with self._cond:
             limit = q - 1 if self._stop_round is None else min(q - 1, self._stop_round)
         return self._take_due(limit=limit)
@@ -982,9 +986,8 @@ class DelayedAllreduce(PartialAllreduce):
             with self._cond:
                 d = self.delayed
                 epochs = self._global_samples // d.epoch_samples if d.epoch_samples else 0
+                self._samples_before_last = self._global_samples
                 self._global_samples += int(result.stats.contributions)
-                if result.stats.synchronous:
-                    self._largest_sync_round = max(self._largest_sync_round, int(result.stats.contributions))
                 if d.epoch_samples:
                     for epoch in range(epochs, self._global_samples // d.epoch_samples):
                         self._epoch_end_rounds[epoch] = r

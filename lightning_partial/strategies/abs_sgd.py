@@ -77,7 +77,8 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   weights, and applies the round's result after it; that micro-batch joins
   the next round one step late, and the deposit that hands the round does not
   arrive (so every round before the one a rank arrives at was applied, and its
-  saves made, first). Not near an epoch's or the fit's end. ``"auto"`` (default): ``0`` when every
+  saves made, first), and such a round counts towards an epoch's or the fit's end once handed
+  (``DelayedAllreduce.progress``). ``"auto"`` (default): ``0`` when every
   optimizer is Adam-like (``betas``) or an ``AdaptiveBatchSize`` callback is in
   the fit, ``1`` otherwise. Under AdamW no update rule made a result one round
   late as good as a fresh one; under SGD momentum with ``AdaptiveBatchSize``
@@ -343,8 +344,8 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             round: it computes its next micro-batch while the round's allreduce runs and the other ranks finish
             theirs, and applies the round's result after it (``DelayedAllreduce.deposit(wait=False)``). That
             micro-batch's gradient lacks the round's update (computed at the predicted weights where
-            ``weight_prediction`` is on) and joins the next round; every other gradient stays fresh. Not in the
-            rounds that may end an epoch or the fit, where every rank waits as before. ``False``: every arrival
+            ``weight_prediction`` is on) and joins the next round; every other gradient stays fresh. Such a round
+            counts towards an epoch's or the fit's end once handed, the same on every rank. ``False``: every arrival
             waits for its round (every gradient fresh). Measured in docs/staleness.md (overlapped arrivals).
         shuffle, seed: the elastic sampler's shuffling (as ``DistributedSampler``'s); a train loader
             built with ``shuffle=False`` keeps its order. ``seed=None`` (default): the seed of the
@@ -958,7 +959,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         # it meanwhile, the next batch, which ends it, is the one that arrives (as on every other rank).
         epoch = self._trainer.current_epoch if self._arrive_now is None else None
         # Arrivals by samples or by time (not in lock-step: no per-batch collective pairs them) go on with the
-        # next micro-batch while the round completes, where the engine allows it (not near an epoch's end).
+        # next micro-batch while the round completes (the engine waits once a stop or the final round is known).
         go_on = (self.overlap_arrival and self._arrive_now is None
                  and (self.round_fill is not None or self.round_seconds is not None))
         results = engine.deposit(grads, samples=samples, arrive=arrive, epoch=epoch, wait=not go_on)
