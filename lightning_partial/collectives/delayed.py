@@ -851,7 +851,10 @@ class DelayedAllreduce(PartialAllreduce):
         """Under ``self._cond``: whether an arrival at synchronous round ``q`` may go on without waiting for it: not
         once a stop or the final round is known (no round follows them), nor while closing. Every round before
         ``q`` was handed (and completed) before this rank arrives at ``q``, and ``q`` cannot complete without
-        this rank: the decision reads the rounds before ``q`` only, the same on every rank.
+        this rank: the decision reads the rounds before ``q`` only, the same on every rank. (Handed because the
+        deposit after going on is held, and because ``abs_sgd`` goes on only under ``AdaptiveBatchSize``'s arrival
+        by samples or by time, set after a window of synchronous rounds: never at the switch, where
+        :meth:`_behind` holds an arrival while older rounds are unhanded.)
         """
         return self._stop_round is None and self._final_round is None and not self._closing
 
