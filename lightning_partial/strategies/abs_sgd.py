@@ -75,10 +75,11 @@ are :mod:`lightning_partial.collectives.delayed`'s. On the Lightning side:
   (``overlap_arrival=True``, ``DelayedAllreduce.deposit(wait=False)``): it
   computes its next micro-batch while the round completes, at the predicted
   weights, and applies the round's result after it; that micro-batch joins
-  the next round one step late, and the deposit that hands the round does not
-  arrive (so every round before the one a rank arrives at was applied, and its
-  saves made, first), and such a round counts towards an epoch's or the fit's end once handed
-  (``DelayedAllreduce.progress``). ``"auto"`` (default): ``0`` when every
+  the next round one step late. The deposit that hands the round does not
+  arrive (every round before the one a rank arrives at is applied, and its
+  saves made, first), and the round counts towards an epoch's or the fit's
+  end once handed (``DelayedAllreduce.progress``): the same batch on every
+  rank. ``"auto"`` (default): ``0`` when every
   optimizer is Adam-like (``betas``) or an ``AdaptiveBatchSize`` callback is in
   the fit, ``1`` otherwise. Under AdamW no update rule made a result one round
   late as good as a fresh one; under SGD momentum with ``AdaptiveBatchSize``
