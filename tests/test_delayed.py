@@ -365,11 +365,15 @@ def test_a_round_a_rank_went_on_from_counts_in_progress_once_handed():
                               like=[torch.zeros(2, dtype=torch.float64)]).start()
     try:
         g = torch.ones(2, dtype=torch.float64)
+
+        def until(done) -> None:  # the round completes on the communication thread
+            deadline = time.monotonic() + 10
+            while not done() and time.monotonic() < deadline:
+                time.sleep(0.01)
+
         assert engine.deposit([g], samples=4, wait=False) == []  # round 0 taken, not handed
         assert engine.progress().epochs_completed == 0  # completed or not yet: hidden either way
-        deadline = time.monotonic() + 10
-        while engine.global_samples < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        until(lambda: engine.global_samples >= 4)
         assert engine.global_samples == 4  # completed: it ended epoch 0 ...
         hidden = engine.progress()
         assert (hidden.epochs_completed, hidden.epoch_end_rounds, hidden.final_round) == (0, {}, None)  # ... hidden
@@ -378,9 +382,7 @@ def test_a_round_a_rank_went_on_from_counts_in_progress_once_handed():
         shown = engine.progress()
         assert (shown.epochs_completed, shown.epoch_end_rounds) == (1, {0: 0})
         assert engine.deposit([g], samples=4, wait=False) == []  # arrives at round 1 (both micro-batches), goes on
-        deadline = time.monotonic() + 10
-        while engine.final_round is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        until(lambda: engine.final_round is not None)
         assert engine.final_round == 1 and engine.progress().final_round is None  # completed, final, hidden
         assert [r.round_index for r in engine.deposit([g], samples=4, wait=False)] == [1]  # handed, nothing arrives
         assert engine.progress().final_round == 1 and engine.progress().epochs_completed == 3

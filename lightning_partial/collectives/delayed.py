@@ -321,7 +321,7 @@ class DelayedAllreduce(PartialAllreduce):
         does without overlap (the batch after the one that arrived at it)."""
         n = self.delayed.epoch_samples
         with self._cond:
-            hidden = self._overlapped if self._overlapped > self._handed_through() else None
+            hidden = self._outstanding_overlap()
             if hidden is not None and self._completed >= hidden:
                 # It is the latest completed round: none after it completes before this rank arrives again.
                 samples = self._samples_before_last
@@ -453,7 +453,7 @@ class DelayedAllreduce(PartialAllreduce):
             # A round this rank arrived at without waiting, not handed yet (whatever round this micro-batch
             # goes into): this deposit hands it and does not arrive, so that every round before the one a rank
             # arrives at was handed to its caller (and acted on: a step checkpoint's save) before it arrives.
-            overlapped = self._overlapped if self._overlapped > self._handed_through() else None
+            overlapped = self._outstanding_overlap()
             held = synchronous and (not arrive or behind or overlapped is not None or self._epoch_ended(epoch))
             if behind and arrive:
                 logger.debug("rank %d: holds its arrival at synchronous round %d until rounds %d-%d are applied",
@@ -846,6 +846,10 @@ class DelayedAllreduce(PartialAllreduce):
         """Under ``self._cond``: the completed rounds have ended epoch ``epoch`` (``None``: no epoch given)."""
         n = self.delayed.epoch_samples
         return epoch is not None and n is not None and self._global_samples >= (epoch + 1) * n
+
+    def _outstanding_overlap(self) -> Optional[int]:
+        """Under ``self._cond``: the round this rank arrived at without waiting and has not been handed yet, if any."""
+        return self._overlapped if self._overlapped > self._handed_through() else None
 
     def _may_overlap(self, q: int) -> bool:
         """Under ``self._cond``: whether an arrival at synchronous round ``q`` may go on without waiting for it: not

@@ -818,6 +818,12 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         finally:
             self._in_closure = False
 
+    @property
+    def _arrivals_out_of_step(self) -> bool:
+        """Synchronous rounds whose arrivals are by samples (``round_fill``) or by time (``round_seconds``): the ranks
+        run different numbers of batches per round (main thread)."""
+        return self.round_fill is not None or self.round_seconds is not None
+
     @override
     def _before_collective(self, what: str) -> None:
         """A collective issued in a training step's closure (``training_step``, ``on_before_backward``,
@@ -832,7 +838,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         if not self._in_closure or self.world_size < 2:
             return  # epoch ends, checkpoints, validation: points every rank reaches at the same round
         self.batch_collectives = True
-        if self._delay == 0 and self.round_seconds is None and self.round_fill is None:
+        if self._delay == 0 and not self._arrivals_out_of_step:
             return
         why = ("delay=1, the rounds asynchronous" if self._delay != 0 else
                "AdaptiveBatchSize(arrival='time'), each rank arriving after about the round's time of work"
@@ -961,8 +967,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         epoch = self._trainer.current_epoch if self._arrive_now is None else None
         # Arrivals by samples or by time (not in lock-step: no per-batch collective pairs them) go on with the
         # next micro-batch while the round completes (the engine waits once a stop or the final round is known).
-        go_on = (self.overlap_arrival and self._arrive_now is None
-                 and (self.round_fill is not None or self.round_seconds is not None))
+        go_on = self.overlap_arrival and self._arrive_now is None and self._arrivals_out_of_step
         results = engine.deposit(grads, samples=samples, arrive=arrive, epoch=epoch, wait=not go_on)
         # Counted from the last arrival (the engine may hold one it was asked to make: see its deposit()).
         self._held[index] = held if engine.holding else 0
