@@ -529,6 +529,15 @@ def _host_candidates(callback: Any, trainer: Any) -> dict[str, Any]:
             for key, value in callback._monitor_candidates(trainer).items()}
 
 
+def current_hook(pl_module: Any) -> Optional[str]:
+    """The Lightning hook running now on the main thread, ``None`` between hooks (or without a module).
+
+    Lightning names it in ``LightningModule._current_fx_name`` around every module, callback and strategy
+    hook it calls (``"training_step"``, ``"on_train_batch_end"``, ...), restoring the outer name after.
+    """
+    return getattr(pl_module, "_current_fx_name", None) if pl_module is not None else None
+
+
 def computes_nothing(closure: Any) -> bool:
     """Whether ``closure`` is the one Lightning hands ``optimizer_step`` for an ``opt.step()`` called without a
     closure (manual optimization after ``manual_backward``): the gradient exists before the step."""

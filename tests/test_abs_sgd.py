@@ -837,24 +837,47 @@ def test_synchronous_rounds_split_by_speed_keep_lock_step_when_the_ranks_loaders
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("late", [None, "time", "samples"], ids=["delay1", "time", "samples"])
-def test_a_collective_in_training_step_that_cannot_pair_fails_at_once_on_every_rank(tmp_path, late):
-    """The module logs with ``sync_dist=True`` (and gathers, and waits in a barrier) in training steps where the
+def test_a_callbacks_batch_end_collectives_make_adaptive_batch_size_arrive_by_count(tmp_path):
+    """A callback logs with ``sync_dist=True``, gathers and waits in a barrier at every batch end from the first
+    (not in the training step): AdaptiveBatchSize(arrival="samples") sees them in its first window, on every
+    rank alike, and arrives by count, so every rank runs the same batches per round and the collectives pair;
+    the step-checkpoint saves the strategy runs at batch starts and ends pass its check; replicas end
+    bit-identical."""
+    out = tmp_path / "run"
+    records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--adaptive", "--arrival", "samples",
+                      "--sync-dist", "--sync-dist-in", "callback", "--checkpoint-every", "3")
+    assert_identical(out)
+    assert [(r["fit_arrival"], r["round_fill"]) for r in records] == [("count", None)] * 4, records[0]
+    batches = [r["epoch_batches"] for r in records]
+    assert all(b == batches[0] for b in batches), batches
+    assert list((out / "ckpt").glob("*.ckpt")), sorted(out.iterdir())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("late", "hook"), [(None, "training_step"), ("time", "training_step"),
+                                           ("samples", "training_step"), ("samples", "callback"),
+                                           (None, "on_train_batch_end")],
+                         ids=["delay1", "time", "samples", "samples-callback", "delay1-batch-end"])
+def test_a_per_batch_collective_that_cannot_pair_fails_at_once_on_every_rank(tmp_path, late, hook):
+    """The module logs with ``sync_dist=True`` (and gathers, and waits in a barrier) at every batch where the
     ranks run different numbers of batches: under ``delay=1`` from the first step; under AdaptiveBatchSize's
     arrival by time or by samples from step 13, after its first window (4 rounds in lock-step, no collective
-    seen) set the rule. Every rank refuses the collective before entering it, naming the setting and the fix,
-    so the fit fails in seconds rather than at the 30-minute ``timeout``."""
+    seen) set the rule; in the training step, in the module's ``on_train_batch_end`` or in a callback's. Every
+    rank refuses the collective before entering it, naming the hook, the setting and the fix, so the fit fails
+    in seconds rather than at the 30-minute ``timeout``."""
     extra = (["--adaptive", "--arrival", late, "--sync-dist-from", "12"] if late else
              ["--sync-dist", "--strategy-kw", json.dumps({"delay": 1})])
     proc = forkrun.run(fit_command(tmp_path / "run", "--strategy", "abs_sgd", "--speed", "1,1,0.5,0.25",
-                                   "--max-epochs", "2", *extra, launch="fork"), env=FIT_ENV, timeout=240)
+                                   "--max-epochs", "2", "--sync-dist-in", hook, *extra, launch="fork"),
+                       env=FIT_ENV, timeout=240)
     assert proc.returncode != 0
     why = {None: "delay=1, the rounds asynchronous",
            "time": "AdaptiveBatchSize(arrival='time'), each rank arriving after about the round's time of work",
            "samples": "AdaptiveBatchSize(arrival='samples'), each rank arriving once the round holds about its "
                       "samples"}[late]
-    assert re.search(r"in a training step \(training_step, backward and their hooks\) on rank \d \(epoch 0, ",
-                     proc.stderr) and why in proc.stderr, proc.stderr[-4000:]
+    where = (r"a training step \(training_step, backward and their hooks\)" if hook == "training_step" else
+             r"on_train_batch_end \(a hook run at every batch\)")
+    assert re.search(rf"in {where} on rank \d \(epoch 0, ", proc.stderr) and why in proc.stderr, proc.stderr[-4000:]
     assert "cannot pair the same batch on every rank. Log per rank (sync_dist=False)" in proc.stderr
     assert "PartialCollectiveTimeout" not in proc.stderr, proc.stderr[-4000:]  # no rank left to a timeout
 

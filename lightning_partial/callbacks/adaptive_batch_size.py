@@ -81,8 +81,9 @@ when it arrives is the ``arrival`` rule:
   Under ``"time"`` and ``"samples"`` the ranks run different numbers of micro-batches per round, as under
   ``delay=1``: a collective that every rank issues once per batch
   (``sync_dist`` logging per step, ``all_gather``, a user's ``barrier``)
-  cannot pair. So a fit whose ``training_step`` issues one of the strategy's
-  collectives in the rounds before the first split (one micro-batch per rank
+  cannot pair. So a fit that issues one of the strategy's collectives in a hook
+  run at every batch (``training_step``, ``on_train_batch_end``, a callback's)
+  in the rounds before the first split (one micro-batch per rank
   each, in lock-step) arrives by count, with a warning; one first issued
   later is refused by the strategy with an error that names the fix
   (``ABSSGDStrategy._before_collective``). What ``"time"`` costs: a round's samples
@@ -296,15 +297,16 @@ class AdaptiveBatchSize(Callback):
         return split
 
     def _decide_arrival(self) -> str:
-        """The fit's arrival rule, at its first split: ``arrival``, but ``"count"`` when a training step has
-        issued one of the strategy's collectives (``ABSSGDStrategy.batch_collectives``). The rounds before the
+        """The fit's arrival rule, at its first split: ``arrival``, but ``"count"`` when a hook run at every batch
+        has issued one of the strategy's collectives (``ABSSGDStrategy.batch_collectives``). The rounds before the
         first split run one micro-batch per rank each, in lock-step, so every rank has seen the same batches
         and decides alike; a per-batch collective first issued after the split is refused by the strategy."""
         if self.arrival != "count" and getattr(self._strategy, "batch_collectives", False):
             if self._rank == 0:
                 log.warning(
-                    "AdaptiveBatchSize: a training step issues a collective (self.log(..., sync_dist=True), "
-                    "all_gather, a barrier), which pairs only batches run in lock-step: the ranks arrive by count "
+                    "AdaptiveBatchSize: a hook run at every batch (the training step, on_train_batch_end, ...) issues "
+                    "a collective (self.log(..., sync_dist=True), all_gather, a barrier), which pairs only batches "
+                    "run in lock-step: the ranks arrive by count "
                     f"in this fit (arrival='count'), which is slower than arrival={self.arrival!r}; log per rank "
                     "(sync_dist=False) or per epoch (on_step=False, on_epoch=True) to arrive by "
                     + ("time" if self.arrival == "time" else "samples")

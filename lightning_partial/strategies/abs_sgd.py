@@ -154,6 +154,13 @@ log = logging.getLogger(__name__)
 
 #: ``reference_samples``' default: the global batch of a synchronous step (resolved at the start of fit).
 GLOBAL_BATCH = "global_batch"
+
+#: The hooks besides the training step's closure that Lightning runs at every batch (or optimizer step) of a fit,
+#: by the names it gives them (``_compat.current_hook``): a collective issued in one pairs batches across ranks.
+_BATCH_HOOKS = frozenset({
+    "on_train_batch_start", "on_train_batch_end", "on_before_optimizer_step", "configure_gradient_clipping",
+    "optimizer_step", "on_before_zero_grad", "optimizer_zero_grad", "lr_scheduler_step",
+})
 #: ``delay``'s values: the rounds a result waits, or ``"auto"`` (0 under Adam-like optimizers or with
 #: AdaptiveBatchSize, else 1).
 DELAYS: tuple[Union[int, str], ...] = (0, 1, "auto")
@@ -459,8 +466,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         self.round_fill: Optional[tuple[int, ...]] = None
         #: The samples AdaptiveBatchSize makes a synchronous round hold (resolved at the start of fit).
         self.sync_round_samples: Optional[int] = None
-        #: Whether a training step's closure issued one of the strategy's collectives in this fit (main thread
-        #: only; see ``_before_collective``): ``AdaptiveBatchSize(arrival="samples"|"time")`` then arrives by count.
+        #: Whether a hook run at every batch (the training step's closure, ``on_train_batch_end``, ...) issued one
+        #: of the strategy's collectives in this fit (main thread only; see ``_before_collective``):
+        #: ``AdaptiveBatchSize(arrival="samples"|"time")`` then arrives by count.
         self.batch_collectives = False
         self._in_closure = False
         self._held: dict[int, int] = {}  # per optimizer: micro-batches deposited since this rank last arrived
@@ -826,16 +834,22 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
 
     @override
     def _before_collective(self, what: str) -> None:
-        """A collective issued in a training step's closure (``training_step``, ``on_before_backward``,
-        ``on_after_backward``: ``self.log(..., sync_dist=True)``, ``all_gather``, a barrier) pairs the same
-        batch on every rank only while the ranks run their batches in lock-step: every round synchronous
-        (``delay=0``), each rank arriving after the same number of micro-batches. Recorded
-        (``batch_collectives``: ``AdaptiveBatchSize(arrival="samples"|"time")`` then arrives by count; its first window
-        runs in lock-step, so every rank records the same) and refused otherwise, before this rank enters the
+        """A collective issued in a hook that runs at every batch: the training step's closure
+        (``training_step``, ``on_before_backward``, ``on_after_backward``) or a module's or callback's
+        ``on_train_batch_start``, ``on_train_batch_end``, ``on_before_optimizer_step``, ... (``_BATCH_HOOKS``;
+        ``self.log(..., sync_dist=True)`` on step, ``all_gather``, a barrier). It pairs the same batch on every
+        rank only while the ranks run their batches in lock-step: every round synchronous (``delay=0``), each
+        rank arriving after the same number of micro-batches. Recorded (``batch_collectives``:
+        ``AdaptiveBatchSize(arrival="samples"|"time")`` then arrives by count; its first window runs in
+        lock-step, so every rank records the same) and refused otherwise, before this rank enters the
         collective (the others fail through the engine when it stops), so the fit fails at once rather than in
-        a wait for a batch another rank never runs (until ``timeout``). Per-batch collectives in other hooks
-        (``on_train_batch_end``, a callback's) are not seen here. One rank pairs with itself: nothing to check."""
-        if not self._in_closure or self.world_size < 2:
+        a wait for a batch another rank never runs (until ``timeout``). The strategy's own saves, which every
+        rank runs at the same round whichever hook runs them, pass; so does everything at epoch ends,
+        validation and checkpoints outside them. One rank pairs with itself: nothing to check."""
+        if self._running_saves or self.world_size < 2:
+            return
+        hook = None if self._in_closure else _compat.current_hook(self.lightning_module)
+        if not self._in_closure and hook not in _BATCH_HOOKS:
             return  # epoch ends, checkpoints, validation: points every rank reaches at the same round
         self.batch_collectives = True
         if self._delay == 0 and not self._arrivals_out_of_step:
@@ -844,15 +858,16 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                "AdaptiveBatchSize(arrival='time'), each rank arriving after about the round's time of work"
                if self.round_seconds is not None else
                "AdaptiveBatchSize(arrival='samples'), each rank arriving once the round holds about its samples")
+        where = ("a training step (training_step, backward and their hooks)" if hook is None else
+                 f"{hook} (a hook run at every batch)")
         last = self._last_round()
-        where = "before the first round" if last is None else f"round {last} applied"
+        when = "before the first round" if last is None else f"round {last} applied"
         raise RuntimeError(
-            f"abs_sgd: {what} in a training step (training_step, backward and their hooks) on rank"
-            f" {self.global_rank} (epoch {self._trainer.current_epoch}, {where}): with {why}, the ranks run"
-            " different numbers of batches, so a collective issued per batch cannot pair the same batch on every"
-            " rank. Log per rank (sync_dist=False) or per epoch (on_step=False, on_epoch=True: reduced at the"
-            " epoch end, which every rank reaches at the same round); or run the batches in lock-step: delay=0"
-            " (with AdaptiveBatchSize(arrival='count') if any)"
+            f"abs_sgd: {what} in {where} on rank {self.global_rank} (epoch {self._trainer.current_epoch}, {when}):"
+            f" with {why}, the ranks run different numbers of batches, so a collective issued per batch cannot"
+            " pair the same batch on every rank. Log per rank (sync_dist=False) or per epoch (on_step=False,"
+            " on_epoch=True: reduced at the epoch end, which every rank reaches at the same round); or run the"
+            " batches in lock-step: delay=0 (with AdaptiveBatchSize(arrival='count') if any)"
         )
 
     @staticmethod

@@ -188,6 +188,9 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
         self._pending_saves: list[tuple[int, Callable[[], None]]] = []
         # At a batch start, run only the saves of rounds before this one (abs_sgd's epoch-last batch).
         self._save_boundary: Optional[int] = None
+        # While the queued saves run (main thread): their collectives are the strategy's own, run by every rank
+        # at the same round, whichever hook runs them (a subclass's _before_collective lets them pass).
+        self._running_saves = False
         self._previous_sigterm_handler: Any = None
         self._stop_check_at_batch_start = False  # Lightning before 2.6: see _check_stop_at_batch_start
         self._resume_state: Optional[dict[str, Any]] = None  # from load_checkpoint, consumed at start
@@ -590,8 +593,12 @@ class PartialStrategy(ProcessGroupStrategy, Generic[EngineT]):
     def _run_pending_saves(self, before: Optional[int] = None) -> None:
         """Every rank, main thread, collective (each save is): the queued saves in the order queued, those
         called for by rounds before ``before`` only if given."""
-        while self._pending_saves and (before is None or self._pending_saves[0][0] < before):
-            self._pending_saves.pop(0)[1]()
+        self._running_saves = True
+        try:
+            while self._pending_saves and (before is None or self._pending_saves[0][0] < before):
+                self._pending_saves.pop(0)[1]()
+        finally:
+            self._running_saves = False
 
     @override
     def optimizer_step(

@@ -78,6 +78,7 @@ class Regressor(L.LightningModule):
         self.optimizer = "sgd"
         self.sync_dist = False
         self.sync_dist_from: int | None = None  # --sync-dist from this rank's training step on
+        self.sync_dist_in = "training_step"  # --sync-dist-in: the hook that issues them
         self._training_steps = 0
         self.sleep_at: tuple[int, int, float] | None = None  # (batch, rank, seconds)
         self.sigterm_at: tuple[int, int] | None = None  # (batch, rank)
@@ -112,12 +113,21 @@ class Regressor(L.LightningModule):
             loss = loss + self.rank0_only(x).pow(2).mean()
         self.log("train_loss", loss)
         self._training_steps += 1
+        if self.sync_dist_in == "training_step":
+            self.synchronise(loss)
+        return loss
+
+    def synchronise(self, loss: torch.Tensor) -> None:
+        """--sync-dist: the strategy's own collectives, every step (from --sync-dist-from on), in the hook that
+        calls this (--sync-dist-in)."""
         if self.sync_dist or (self.sync_dist_from is not None and self._training_steps > self.sync_dist_from):
-            # the strategy's own collectives, every step
             self.log("synced_loss", loss.detach(), sync_dist=True)
             self.all_gather(loss.detach())
             self.trainer.strategy.barrier("fit.py")
-        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.sync_dist_in == "on_train_batch_end":
+            self.synchronise(outputs["loss"])
 
     def on_train_start(self) -> None:
         if self.pid_dir is not None:  # lets a test signal a given rank
@@ -167,6 +177,13 @@ class SaveAt(L.Callback):
     def on_train_epoch_end(self, trainer, pl_module):
         if self.epoch is not None and trainer.current_epoch == self.epoch:
             trainer.save_checkpoint(self.path)
+
+
+class BatchEndSync(L.Callback):
+    """``--sync-dist-in callback``: the module's --sync-dist collectives, issued from a callback's batch end."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        pl_module.synchronise(outputs["loss"])
 
 
 class RoundLog(L.Callback):
@@ -283,6 +300,10 @@ def main() -> None:
                         help="log with sync_dist=True, all_gather and barrier in every training step")
     parser.add_argument("--sync-dist-from", type=int, default=None,
                         help="as --sync-dist, from this rank's training step N + 1 on")
+    parser.add_argument("--sync-dist-in", choices=("training_step", "on_train_batch_end", "callback"),
+                        default="training_step",
+                        help="the hook that issues --sync-dist's collectives: the training step, the module's "
+                             "on_train_batch_end or a callback's")
     parser.add_argument("--rotation", type=int, default=None, help="add a GroupRotation(consensus_every=N)")
     parser.add_argument("--strategy-kw", default="{}", help="JSON keyword arguments of a configured strategy")
     parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d layer (per-replica buffers)")
@@ -370,6 +391,8 @@ def main() -> None:
     model.optimizer = args.optimizer
     model.sync_dist = args.sync_dist
     model.sync_dist_from = args.sync_dist_from
+    model.sync_dist_in = args.sync_dist_in
+    batch_sync = BatchEndSync() if args.sync_dist_in == "callback" else None
     if args.sleep_at is not None:
         batch, rank, seconds = args.sleep_at.split(":")
         model.sleep_at = (int(batch), int(rank), float(seconds))
@@ -431,7 +454,7 @@ def main() -> None:
         rank, epoch = (int(v) for v in args.sigterm_last.split(":"))
         model.sigterm_last = (rank, epoch)
     callbacks = [c for c in (probe, imbalance, tracker, rotation, saver, adaptive, epochs, rounds, checkpoints,
-                             time_checkpoints, unfreeze, early_stop) if c is not None]
+                             time_checkpoints, unfreeze, early_stop, batch_sync) if c is not None]
 
     def write_stopped(trainer: L.Trainer) -> None:
         # Every rank is expected to stop at the same step: the test compares the markers.
