@@ -275,7 +275,7 @@ def run_worker(args: argparse.Namespace) -> int:
         cpu_last: dict[int, tuple[str, float]] = {}
         rounds: list[int]  # abs_sgd: the index of every round this rank saw complete
         waits: list[float]  # abs_sgd: per result handed, the seconds this rank was blocked before it
-        round_times: dict[int, tuple[float, float]]  # abs_sgd: see record_round_times
+        round_times: dict[int, tuple[float, float, bool]]  # abs_sgd: see record_round_times
         round_samples: dict[int, int]  # abs_sgd: every round's samples over all ranks (record_round_times)
 
         def __init__(self) -> None:
@@ -507,21 +507,31 @@ def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
     }
 
 
-def record_round_times(out: dict[int, tuple[float, float]], samples: dict[int, int]) -> None:
-    """abs_sgd's worker: records, per round ``q`` a ``DelayedAllreduce.deposit`` of this process returned the
-    result of last, ``(called, returned)`` in ``time.monotonic()`` (one clock for every process of the
-    host). In a synchronous round the deposit that returns ``q`` is the one that arrived at it: *called* is
-    this rank's arrival, *returned* when it had the result. ``samples``: every round handed, its samples
-    over all ranks (its header's counts)."""
+def record_round_times(out: dict[int, tuple[float, float, bool]], samples: dict[int, int]) -> None:
+    """abs_sgd's worker: records, per round ``q`` this process was handed (the last a
+    ``DelayedAllreduce.deposit`` returned), ``(arrived, handed, went_on)`` in ``time.monotonic()`` (one clock
+    for every process of the host): when this rank arrived at ``q`` (the call of the deposit that arrived),
+    when a deposit returned its result, and whether the arrival went on without waiting for it
+    (``overlap_arrival``: the result came with the next deposit, after another micro-batch). In a round whose
+    arrival waited, the deposit that returns ``q`` is the one that arrived at it. ``samples``: every round
+    handed, its samples over all ranks (its header's counts)."""
     from lightning_partial.collectives.delayed import DelayedAllreduce
 
     deposit = DelayedAllreduce.deposit
+    went_on: dict[int, float] = {}  # rounds this rank arrived at without waiting: the arrival's call time
 
     def timed(self: DelayedAllreduce, *a: Any, **kw: Any) -> Any:
         called = time.monotonic()
         results = deposit(self, *a, **kw)
+        handed = time.monotonic()
+        with self._cond:
+            on = self._outstanding_overlap()  # the round this deposit arrived at and went on from, if it did
+        if on is not None and on not in went_on:
+            went_on[on] = called
         if results:
-            out[results[-1].round_index] = (called, time.monotonic())
+            q = results[-1].round_index
+            arrived = went_on.pop(q, None)
+            out[q] = (called if arrived is None else arrived, handed, arrived is not None)
             samples.update((r.round_index, sum(r.stats.counts)) for r in results if not r.stats.flush)
         return results
 
@@ -538,24 +548,31 @@ def spread_of(values: list[int] | None) -> dict[str, float] | None:
             "p90": at(0.9), "max": ordered[-1]}
 
 
-def round_timing(per_rank: list[dict[str, list[float]] | None]) -> dict[str, float] | None:
+def round_timing(per_rank: list[dict[str, list[Any]] | None]) -> dict[str, Any] | None:
     """Where a round's time goes, over the rounds every rank had handed by a deposit (the synchronous ones
-    at ``delay=0``: each rank's call there is its arrival), medians in ms: the *period* between two
-    rounds' first returns; the *spread* of the ranks' arrivals (the first waits that long for the last); the
-    *latency* from the last arrival to the first rank's return (the allreduce and the threads' hand-offs)."""
+    at ``delay=0``), medians in ms: the *period* between two rounds' first arrivals; the *spread* of the
+    ranks' arrivals (a rank that waits for the round waits that long for the last); the *latency* from the
+    last arrival to the first result handed to a rank that waited for it (the allreduce and the threads'
+    hand-offs; ``None`` where every rank went on, ``overlap_arrival``); *went_on*: the share of arrivals that
+    went on without waiting. Records of two items (``(called, returned)``, before arrival marks) read as
+    arrivals that waited."""
     if not per_rank or any(not r for r in per_rank):
         return None
     known = [r for r in per_rank if r]
     common = sorted(set.intersection(*(set(map(int, r)) for r in known)))
     if len(common) < 3:
         return None
-    times = [[r[str(q)] for r in known] for q in common]
-    spread = [max(c for c, _ in t) - min(c for c, _ in t) for t in times]
-    latency = [min(d for _, d in t) - max(c for c, _ in t) for t in times]
-    first = [min(d for _, d in t) for t in times]
+    times = [[(t[0], t[1], bool(t[2]) if len(t) > 2 else False) for t in (r[str(q)] for r in known)]
+             for q in common]
+    spread = [max(a for a, _, _ in t) - min(a for a, _, _ in t) for t in times]
+    latency = [min(h for _, h, on in t if not on) - max(a for a, _, _ in t) for t in times
+               if any(not on for _, _, on in t)]
+    first = [min(a for a, _, _ in t) for t in times]
     period = [(b - a) / (q1 - q0) for a, b, q0, q1 in zip(first, first[1:], common, common[1:])]
+    went_on = sum(on for t in times for _, _, on in t) / sum(len(t) for t in times)
     return {"rounds": len(common), "period_ms": statistics.median(period) * 1e3,
-            "arrival_spread_ms": statistics.median(spread) * 1e3, "latency_ms": statistics.median(latency) * 1e3}
+            "arrival_spread_ms": statistics.median(spread) * 1e3,
+            "latency_ms": statistics.median(latency) * 1e3 if latency else None, "went_on": went_on}
 
 
 def lag_figures(fits: list[list[dict[str, int] | None]]) -> dict[str, Any]:
@@ -614,7 +631,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             "ddp_samples_per_step": sum(ddp["samples"]) / max(ddp["global_step"], 1),
             # Synchronous rounds (delay=0): median ms per round (see round_timing).
             **{f"abs_round_{key}": (abs_["round_timing"] or {}).get(key)
-               for key in ("period_ms", "arrival_spread_ms", "latency_ms")},
+               for key in ("period_ms", "arrival_spread_ms", "latency_ms", "went_on")},
         })
 
     def median(values: list[Any]) -> Any:
@@ -807,9 +824,12 @@ def main() -> int:
               + ", ".join(f"{role} {ms:.2f}" for role, ms in per_round.items()))
     timing = report["results"]["abs_sgd"].get("round_timing")
     if timing:
+        latency = timing.get("latency_ms")
         print(f"abs_sgd rounds (run with the median throughput; medians over {timing['rounds']} rounds): one every "
               f"{timing['period_ms']:.1f} ms; the ranks' arrivals spread over {timing['arrival_spread_ms']:.1f} ms; "
-              f"{timing['latency_ms']:.1f} ms from the last arrival to the first rank's result")
+              + (f"{latency:.1f} ms from the last arrival to the first waiting rank's result"
+                 if latency is not None else "no rank waited for a result")
+              + f"; {timing.get('went_on', 0.0):.0%} of the arrivals went on without waiting")
     checks = [c for name in CONFIGS for run in report["results"][name]["runs"] for c in run["clock_check"] if c]
     if checks:
         shares = sorted(c["main_cpu_share"] for c in checks)

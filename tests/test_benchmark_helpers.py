@@ -231,6 +231,24 @@ def test_the_stability_model_reduces_to_its_uniform_delay_and_is_undelayed_when_
         assert m.lagged("none", h, mu, [1.0], "own") == pytest.approx(m.uniform("none", h, mu, 0))
 
 
+def test_round_timing_measures_the_spread_from_arrivals_and_the_latency_from_waiting_ranks_only():
+    # Two ranks, rounds 0-3, (arrived, handed, went_on); rank 1 goes on from rounds 1-3: its result comes with
+    # its next deposit, a micro-batch (30 ms) after the round completed.
+    rank0 = {"0": [0.000, 0.012, False], "1": [0.100, 0.112, False], "2": [0.200, 0.211, False],
+             "3": [0.300, 0.310, False]}
+    rank1 = {"0": [0.004, 0.012, False], "1": [0.106, 0.140, True], "2": [0.203, 0.240, True],
+             "3": [0.305, 0.340, True]}
+    timing = heterogeneity.round_timing([rank0, rank1])
+    assert timing["rounds"] == 4 and timing["period_ms"] == pytest.approx(100.0)
+    assert timing["arrival_spread_ms"] == pytest.approx(4.5)  # median of 4, 6, 3, 5
+    assert timing["latency_ms"] == pytest.approx(7.0)  # rank 0's results after the last arrivals: 8, 6, 8, 5
+    assert timing["went_on"] == pytest.approx(3 / 8)
+    every = {q: [a, h + 0.02, True] for q, (a, h, _) in rank1.items()}
+    assert heterogeneity.round_timing([every, every])["latency_ms"] is None  # nobody waited: no latency
+    old = {q: [a, h] for q, (a, h, _) in rank0.items()}  # files from before the arrival marks
+    assert heterogeneity.round_timing([old, old])["went_on"] == 0.0
+
+
 def test_cpu_by_role_sums_each_role_between_snapshots_and_counts_new_threads_whole():
     first = {1: ("main", 1.0), 2: ("communication", 0.5)}
     last = {1: ("main", 3.0), 2: ("communication", 0.75), 3: ("other", 0.25)}
