@@ -806,14 +806,13 @@ class DelayedAllreduce(PartialAllreduce):
         """Under ``self._cond``: the send buffer (deposit() and load_state_dict() only put SampleDeposits there)."""
         return cast(list[SampleDeposit], self._pending)
 
-    def _synchronous_round_done(self, q: int) -> bool:
-        """Under ``self._cond``: round ``q`` completed (its follow-up decided), or a stop ended the rounds; raises
-        if failed."""
+    def _synchronous_round_reached(self, q: int, through: int, waiting: str) -> bool:
+        """Under ``self._cond``: ``through`` (the last round completed, or taken) has reached round ``q``, or a stop
+        ended the rounds; raises if failed, or if closed while ``waiting`` (named in the error)."""
         self._raise_if_failed(q)
         if self._closing:
-            raise EngineClosedError(f"close() was called while waiting for synchronous round {q}", rank=self.rank,
-                                    round_index=q)
-        return self._completed >= q or self._stop_round is not None
+            raise EngineClosedError(f"close() was called while {waiting}", rank=self.rank, round_index=q)
+        return through >= q or self._stop_round is not None
 
     def _held_round(self) -> Optional[int]:
         """Under ``self._cond``: the synchronous round this rank holds micro-batches for, not arrived at yet."""
@@ -867,15 +866,9 @@ class DelayedAllreduce(PartialAllreduce):
         returns once this rank's communication thread has taken the round (its send buffer), so that the next
         micro-batch goes into round ``q + 1``. Its result is handed at the next deposit. Nothing else is due:
         every round before ``q`` was handed before this rank arrived."""
-        def taken() -> bool:
-            self._raise_if_failed(q)
-            if self._closing:
-                raise EngineClosedError(f"close() was called while synchronous round {q} was being taken",
-                                        rank=self.rank, round_index=q)
-            return self._snapshotted >= q or self._stop_round is not None
-
-        self._caller_wait(taken, q,
-                          f"synchronous round {q} was not taken (is this rank's communication thread stalled?)")
+        self._caller_wait(
+            lambda: self._synchronous_round_reached(q, self._snapshotted, f"synchronous round {q} was being taken"),
+            q, f"synchronous round {q} was not taken (is this rank's communication thread stalled?)")
         with self._cond:
             limit = q - 1 if self._stop_round is None else min(q - 1, self._stop_round)
         return self._take_due(limit=limit)
@@ -883,8 +876,9 @@ class DelayedAllreduce(PartialAllreduce):
     def _await_synchronous(self, q: int) -> list[RoundResult]:
         """Caller's thread, after arriving at synchronous round ``q``: waits for it; returns the results due."""
         # Every rank arrives at round q; the round waits for the slowest.
-        self._caller_wait(lambda: self._synchronous_round_done(q), q,
-                          f"synchronous round {q} did not complete (is a rank dead or stalled?)")
+        self._caller_wait(
+            lambda: self._synchronous_round_reached(q, self._completed, f"waiting for synchronous round {q}"),
+            q, f"synchronous round {q} did not complete (is a rank dead or stalled?)")
         with self._cond:
             limit = q if self._stop_round is None else min(q, self._stop_round)
         return self._take_due(limit=limit)
