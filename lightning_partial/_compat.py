@@ -533,7 +533,9 @@ def current_hook(pl_module: Any) -> Optional[str]:
     """The Lightning hook running now on the main thread, ``None`` between hooks (or without a module).
 
     Lightning names it in ``LightningModule._current_fx_name`` around every module, callback and strategy
-    hook it calls (``"training_step"``, ``"on_train_batch_end"``, ...), restoring the outer name after.
+    hook it calls (``"training_step"``, ``"on_train_batch_end"``, ...), restoring the outer name after, but
+    not when the hook raised: after a failed fit the name of the hook that failed stays, so read it only while
+    the caller knows a fit's batches are running.
     """
     return getattr(pl_module, "_current_fx_name", None) if pl_module is not None else None
 

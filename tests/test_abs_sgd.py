@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
 
@@ -836,13 +837,34 @@ def test_synchronous_rounds_split_by_speed_keep_lock_step_when_the_ranks_loaders
     assert all(b == batches[0] for b in batches), batches
 
 
+def test_a_hook_name_left_by_a_failed_fit_is_not_read_as_a_batch_in_progress():
+    """Lightning leaves the name of a hook that raised on the module (``_current_fx_name``): a collective issued
+    after that fit (a later validate's or fit's set-up barrier) is not a batch's. The hook's name counts only
+    while the fit's engines run; there a batch-end collective is recorded (lock-step: ``delay=0``)."""
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+
+    strategy = ABSSGDStrategy(delay=0)
+    environment = LightningEnvironment()
+    environment.set_world_size(4)
+    strategy.cluster_environment = environment
+    module = L.LightningModule()
+    module._current_fx_name = "on_train_batch_end"  # what a fit that failed in that hook leaves
+    strategy._lightning_module = module
+    strategy._before_collective("a barrier")  # no engine: no fit running
+    assert strategy.batch_collectives is False
+    strategy._engines = {0: object()}  # the fit's engines, as between train start and end
+    strategy._delay = 0
+    strategy._before_collective("a barrier")
+    assert strategy.batch_collectives is True
+
+
 @pytest.mark.timeout(300)
 def test_a_callbacks_batch_end_collectives_make_adaptive_batch_size_arrive_by_count(tmp_path):
     """A callback logs with ``sync_dist=True``, gathers and waits in a barrier at every batch end from the first
     (not in the training step): AdaptiveBatchSize(arrival="samples") sees them in its first window, on every
-    rank alike, and arrives by count, so every rank runs the same batches per round and the collectives pair;
-    the step-checkpoint saves the strategy runs at batch starts and ends pass its check; replicas end
-    bit-identical."""
+    rank alike, and arrives by count, so every rank runs the same batches per round and the collectives pair,
+    step-checkpoint saves beside them; replicas end bit-identical. (The strategy's own saves at batch starts
+    and ends pass the check where it refuses: ``test_rounds_closed_on_samples_save_validate_and_resume_alike``.)"""
     out = tmp_path / "run"
     records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--adaptive", "--arrival", "samples",
                       "--sync-dist", "--sync-dist-in", "callback", "--checkpoint-every", "3")

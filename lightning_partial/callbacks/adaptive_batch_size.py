@@ -215,8 +215,8 @@ class AdaptiveBatchSize(Callback):
 
     @property
     def fit_arrival(self) -> Optional[str]:
-        """The rule this fit's synchronous rounds arrive by: ``arrival``, or ``"count"`` when a training step
-        issues one of the strategy's collectives (decided at the first split; ``None`` before it)."""
+        """The rule this fit's synchronous rounds arrive by: ``arrival``, or ``"count"`` when a hook run at every
+        batch issues one of the strategy's collectives (decided at the first split; ``None`` before it)."""
         return self._fit_arrival
 
     @property

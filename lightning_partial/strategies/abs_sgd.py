@@ -848,7 +848,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         validation and checkpoints outside them. One rank pairs with itself: nothing to check."""
         if self._running_saves or self.world_size < 2:
             return
-        hook = None if self._in_closure else _compat.current_hook(self.lightning_module)
+        # The hook's name only while this fit's engines run (train start to end): Lightning leaves the name of
+        # a hook that raised on the module, which a later validate or fit would read here.
+        hook = None if self._in_closure or not self._engines else _compat.current_hook(self.lightning_module)
         if not self._in_closure and hook not in _BATCH_HOOKS:
             return  # epoch ends, checkpoints, validation: points every rank reaches at the same round
         self.batch_collectives = True
