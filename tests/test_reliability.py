@@ -58,8 +58,9 @@ def test_a_stop_ends_its_own_fit_only(strategy: str) -> None:
 @pytest.mark.parametrize("strategy", ["eager_sgd", "abs_sgd"])
 def test_a_fit_without_training_batches_from_a_mid_fit_checkpoint_ends_nothing(strategy: str, tmp_path) -> None:
     """``limit_train_batches=0`` skips Lightning's loop with training not done: the strategy ends no fit at teardown
-    (it ends one whose training was done: saved at its last step), so the fit returns with the weights it loaded,
-    where abs_sgd raised (no train dataloader prepared) and eager_sgd flushed a mid-fit checkpoint's carried work."""
+    (it ends one whose training was done: saved at its last step; this one was saved at the end of the first of
+    two epochs), so the fit returns with the weights it loaded, where abs_sgd raised (no train dataloader
+    prepared) and eager_sgd flushed a mid-fit checkpoint's carried work."""
     proc = subprocess.run([sys.executable, "-m", "tests.scripts.skipped_loop", "--strategy", strategy,
                            "--out", str(tmp_path)],
                           env={**os.environ, "PYTHONWARNINGS": "ignore"}, stdin=subprocess.DEVNULL,

@@ -868,8 +868,10 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
             f"abs_sgd: {what} in {where} on rank {self.global_rank} (epoch {self._trainer.current_epoch}, {when}):"
             f" with {why}, the ranks run different numbers of batches, so a collective issued per batch cannot"
             " pair the same batch on every rank. Log per rank (sync_dist=False) or per epoch (on_step=False,"
-            " on_epoch=True: reduced at the epoch end, which every rank reaches at the same round); or run the"
-            " batches in lock-step: delay=0 (with AdaptiveBatchSize(arrival='count') if any)"
+            " on_epoch=True: reduced at the epoch end, which every rank reaches at the same round); save with"
+            " ModelCheckpoint(every_n_train_steps=..., or train_time_interval=...), which the strategy runs at the"
+            " same round on every rank, or at epoch ends; or run the batches in lock-step: delay=0 (with"
+            " AdaptiveBatchSize(arrival='count') if any)"
         )
 
     @staticmethod
