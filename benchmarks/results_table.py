@@ -63,7 +63,7 @@ ABS_SGD_BEFORE: dict[str, Any] = {"final_sync": 0.0, "step_boundary": "at_least"
 #: The imbalance run in README.md's table: the table's rows only, at the current defaults.
 IMBALANCE_FILE = "imbalance_defaults.json"
 #: The heterogeneity run in README.md's table.
-HETEROGENEITY_FILE = "heterogeneity_overlap_arrival_5repeats.json"
+HETEROGENEITY_FILE = "heterogeneity_overlap_arrival_defaults_5repeats.json"
 
 
 def load(name: str) -> Json:
