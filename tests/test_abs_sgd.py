@@ -849,6 +849,7 @@ def test_a_hook_name_left_by_a_failed_fit_is_not_read_as_a_batch_in_progress():
     strategy.cluster_environment = environment
     module = L.LightningModule()
     module._current_fx_name = "on_train_batch_end"  # what a fit that failed in that hook leaves
+    module._trainer = SimpleNamespace(training=True)
     strategy._lightning_module = module
     strategy._before_collective("a barrier")  # no engine: no fit running
     assert strategy.batch_collectives is False
@@ -878,13 +879,15 @@ def test_a_callbacks_batch_end_collectives_make_adaptive_batch_size_arrive_by_co
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("late", "hook"), [(None, "training_step"), ("time", "training_step"),
                                            ("samples", "training_step"), ("samples", "callback"),
-                                           (None, "on_train_batch_end")],
-                         ids=["delay1", "time", "samples", "samples-callback", "delay1-batch-end"])
+                                           (None, "on_train_batch_end"), (None, "on_after_batch_transfer")],
+                         ids=["delay1", "time", "samples", "samples-callback", "delay1-batch-end",
+                              "delay1-batch-transfer"])
 def test_a_per_batch_collective_that_cannot_pair_fails_at_once_on_every_rank(tmp_path, late, hook):
     """The module logs with ``sync_dist=True`` (and gathers, and waits in a barrier) at every batch where the
     ranks run different numbers of batches: under ``delay=1`` from the first step; under AdaptiveBatchSize's
     arrival by time or by samples from step 13, after its first window (4 rounds in lock-step, no collective
-    seen) set the rule; in the training step, in the module's ``on_train_batch_end`` or in a callback's. Every
+    seen) set the rule; in the training step, in the module's ``on_train_batch_end`` or in a callback's, or in
+    ``on_after_batch_transfer`` (a training batch's; the validation batches' pass). Every
     rank refuses the collective before entering it, naming the hook, the setting and the fix, so the fit fails
     in seconds rather than at the 30-minute ``timeout``."""
     extra = (["--adaptive", "--arrival", late, "--sync-dist-from", "12"] if late else
@@ -898,7 +901,7 @@ def test_a_per_batch_collective_that_cannot_pair_fails_at_once_on_every_rank(tmp
            "samples": "AdaptiveBatchSize(arrival='samples'), each rank arriving once the round holds about its "
                       "samples"}[late]
     where = (r"a training step \(training_step, backward and their hooks\)" if hook == "training_step" else
-             r"on_train_batch_end \(a hook run at every batch\)")
+             rf"{'on_train_batch_end' if hook == 'callback' else hook} \(a hook run at every batch\)")
     assert re.search(rf"in {where} on rank \d \(epoch 0, ", proc.stderr) and why in proc.stderr, proc.stderr[-4000:]
     assert "cannot pair the same batch on every rank. Log per rank (sync_dist=False)" in proc.stderr
     assert "PartialCollectiveTimeout" not in proc.stderr, proc.stderr[-4000:]  # no rank left to a timeout

@@ -155,11 +155,13 @@ log = logging.getLogger(__name__)
 #: ``reference_samples``' default: the global batch of a synchronous step (resolved at the start of fit).
 GLOBAL_BATCH = "global_batch"
 
-#: The hooks besides the training step's closure that Lightning runs at every batch (or optimizer step) of a fit,
-#: by the names it gives them (``_compat.current_hook``): a collective issued in one pairs batches across ranks.
+#: The hooks besides the training step's closure that Lightning runs at every training batch (or optimizer step)
+#: of a fit, by the names it gives them (``_compat.current_hook``): a collective issued in one pairs batches across
+#: ranks. The batch transfer hooks run for validation batches too: they count while training only.
 _BATCH_HOOKS = frozenset({
     "on_train_batch_start", "on_train_batch_end", "on_before_optimizer_step", "configure_gradient_clipping",
     "optimizer_step", "on_before_zero_grad", "optimizer_zero_grad", "lr_scheduler_step",
+    "on_before_batch_transfer", "batch_to_device", "transfer_batch_to_device", "on_after_batch_transfer",
 })
 #: ``delay``'s values: the rounds a result waits, or ``"auto"`` (0 under Adam-like optimizers or with
 #: AdaptiveBatchSize, else 1).
@@ -851,7 +853,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         # The hook's name only while this fit's engines run (train start to end): Lightning leaves the name of
         # a hook that raised on the module, which a later validate or fit would read here.
         hook = None if self._in_closure or not self._engines else _compat.current_hook(self.lightning_module)
-        if not self._in_closure and hook not in _BATCH_HOOKS:
+        if not self._in_closure and (hook not in _BATCH_HOOKS or not self._trainer.training):
             return  # epoch ends, checkpoints, validation: points every rank reaches at the same round
         self.batch_collectives = True
         if self._delay == 0 and not self._arrivals_out_of_step:

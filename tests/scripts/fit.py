@@ -129,6 +129,13 @@ class Regressor(L.LightningModule):
         if self.sync_dist_in == "on_train_batch_end":
             self.synchronise(outputs["loss"])
 
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        active = self.sync_dist or (self.sync_dist_from is not None and self._training_steps > self.sync_dist_from)
+        if self.sync_dist_in == "on_after_batch_transfer" and active and self.trainer.training:
+            self.all_gather(batch[0].sum())  # Lightning allows no self.log() here
+            self.trainer.strategy.barrier("fit.py")
+        return batch
+
     def on_train_start(self) -> None:
         if self.pid_dir is not None:  # lets a test signal a given rank
             self.pid_dir.mkdir(parents=True, exist_ok=True)
@@ -300,7 +307,8 @@ def main() -> None:
                         help="log with sync_dist=True, all_gather and barrier in every training step")
     parser.add_argument("--sync-dist-from", type=int, default=None,
                         help="as --sync-dist, from this rank's training step N + 1 on")
-    parser.add_argument("--sync-dist-in", choices=("training_step", "on_train_batch_end", "callback"),
+    parser.add_argument("--sync-dist-in", choices=("training_step", "on_train_batch_end", "callback",
+                                                   "on_after_batch_transfer"),
                         default="training_step",
                         help="the hook that issues --sync-dist's collectives: the training step, the module's "
                              "on_train_batch_end or a callback's")
