@@ -540,6 +540,13 @@ def current_hook(pl_module: Any) -> Optional[str]:
     return getattr(pl_module, "_current_fx_name", None) if pl_module is not None else None
 
 
+def forget_current_hook(pl_module: Any) -> None:
+    """At a fit's set-up (outside every hook): drops a hook name an earlier, failed fit left (:func:`current_hook`),
+    which would otherwise stand for every collective the new fit issues outside a named hook."""
+    if pl_module is not None:
+        pl_module._current_fx_name = None
+
+
 def computes_nothing(closure: Any) -> bool:
     """Whether ``closure`` is the one Lightning hands ``optimizer_step`` for an ``opt.step()`` called without a
     closure (manual optimization after ``manual_backward``): the gradient exists before the step."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lightning_partial
-from lightning_partial import ABSSGDStrategy
+from lightning_partial import ABSSGDStrategy, _compat
 from lightning_partial.callbacks import AdaptiveBatchSize, StalenessTracker
 from tests.distributed import in_process_fit
 from tests import forkrun
@@ -857,6 +857,22 @@ def test_a_hook_name_left_by_a_failed_fit_is_not_read_as_a_batch_in_progress():
     strategy._delay = 0
     strategy._before_collective("a barrier")
     assert strategy.batch_collectives is True
+    _compat.forget_current_hook(module)  # what set-up does at a fit's start
+    assert _compat.current_hook(module) is None
+
+
+@pytest.mark.timeout(300)
+def test_a_collective_at_every_optimizer_step_pairs_where_every_round_is_synchronous(tmp_path):
+    """``on_before_optimizer_step`` logs with ``sync_dist=True``, gathers and waits in a barrier at every step,
+    under AdaptiveBatchSize's arrival by samples (the ranks' batches out of step, every round synchronous): each
+    rank runs it once per round it applies, in round order, so the collectives pair; the fit keeps arriving by
+    samples (nothing recorded), and the replicas end bit-identical."""
+    out = tmp_path / "run"
+    records = run_fit(out, "--speed", "1,1,0.5,0.25", "--max-epochs", "2", "--adaptive", "--arrival", "samples",
+                      "--sync-dist", "--sync-dist-in", "on_before_optimizer_step", "--checkpoint-every", "3")
+    assert_identical(out)
+    assert [r["fit_arrival"] for r in records] == ["samples"] * 4, records[0]
+    assert all(r["round_fill"] for r in records), records[0]
 
 
 @pytest.mark.timeout(300)
@@ -879,15 +895,16 @@ def test_a_callbacks_batch_end_collectives_make_adaptive_batch_size_arrive_by_co
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("late", "hook"), [(None, "training_step"), ("time", "training_step"),
                                            ("samples", "training_step"), ("samples", "callback"),
-                                           (None, "on_train_batch_end"), (None, "on_after_batch_transfer")],
+                                           (None, "on_train_batch_end"), (None, "on_after_batch_transfer"),
+                                           (None, "on_before_optimizer_step")],
                          ids=["delay1", "time", "samples", "samples-callback", "delay1-batch-end",
-                              "delay1-batch-transfer"])
+                              "delay1-batch-transfer", "delay1-step"])
 def test_a_per_batch_collective_that_cannot_pair_fails_at_once_on_every_rank(tmp_path, late, hook):
     """The module logs with ``sync_dist=True`` (and gathers, and waits in a barrier) at every batch where the
     ranks run different numbers of batches: under ``delay=1`` from the first step; under AdaptiveBatchSize's
     arrival by time or by samples from step 13, after its first window (4 rounds in lock-step, no collective
     seen) set the rule; in the training step, in the module's ``on_train_batch_end`` or in a callback's, or in
-    ``on_after_batch_transfer`` (a training batch's; the validation batches' pass). Every
+    ``on_after_batch_transfer`` (a training batch's); in ``on_before_optimizer_step`` under ``delay=1``. Every
     rank refuses the collective before entering it, naming the hook, the setting and the fix, so the fit fails
     in seconds rather than at the 30-minute ``timeout``."""
     extra = (["--adaptive", "--arrival", late, "--sync-dist-from", "12"] if late else
@@ -901,7 +918,8 @@ def test_a_per_batch_collective_that_cannot_pair_fails_at_once_on_every_rank(tmp
            "samples": "AdaptiveBatchSize(arrival='samples'), each rank arriving once the round holds about its "
                       "samples"}[late]
     where = (r"a training step \(training_step, backward and their hooks\)" if hook == "training_step" else
-             rf"{'on_train_batch_end' if hook == 'callback' else hook} \(a hook run at every batch\)")
+             r"on_before_optimizer_step \(a hook run at every optimizer step\)" if hook == "on_before_optimizer_step"
+             else rf"{'on_train_batch_end' if hook == 'callback' else hook} \(a hook run at every batch\)")
     assert re.search(rf"in {where} on rank \d \(epoch 0, ", proc.stderr) and why in proc.stderr, proc.stderr[-4000:]
     assert "cannot pair the same batch on every rank. Log per rank (sync_dist=False)" in proc.stderr
     assert "PartialCollectiveTimeout" not in proc.stderr, proc.stderr[-4000:]  # no rank left to a timeout

@@ -155,14 +155,18 @@ log = logging.getLogger(__name__)
 #: ``reference_samples``' default: the global batch of a synchronous step (resolved at the start of fit).
 GLOBAL_BATCH = "global_batch"
 
-#: The hooks besides the training step's closure that Lightning runs at every training batch (or optimizer step)
-#: of a fit, by the names it gives them (``_compat.current_hook``): a collective issued in one pairs batches across
-#: ranks. The batch transfer hooks run for validation batches too: they count while training only.
+#: The hooks besides the training step's closure that Lightning runs at every training batch of a fit, by the
+#: names it gives them (``_compat.current_hook``): a collective issued in one pairs batches across ranks. The batch
+#: transfer hooks run for validation batches too: they count while training only.
 _BATCH_HOOKS = frozenset({
-    "on_train_batch_start", "on_train_batch_end", "on_before_optimizer_step", "configure_gradient_clipping",
-    "optimizer_step", "on_before_zero_grad", "optimizer_zero_grad", "lr_scheduler_step",
+    "on_train_batch_start", "on_train_batch_end",
     "on_before_batch_transfer", "batch_to_device", "transfer_batch_to_device", "on_after_batch_transfer",
 })
+#: The hooks that run once per optimizer step, i.e. per round this rank applies (``_apply``): in round order on
+#: every rank, between the saves queued by the rounds (run at batch starts, in round order too), so a collective
+#: in one pairs where every round is synchronous (``delay=0``); under ``delay=1`` a rank applies a round on
+#: either side of an epoch end's hooks, so it cannot.
+_STEP_HOOKS = frozenset({"on_before_optimizer_step", "configure_gradient_clipping", "lr_scheduler_step"})
 #: ``delay``'s values: the rounds a result waits, or ``"auto"`` (0 under Adam-like optimizers or with
 #: AdaptiveBatchSize, else 1).
 DELAYS: tuple[Union[int, str], ...] = (0, 1, "auto")
@@ -488,6 +492,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         if trainer.state.fn != pl.trainer.states.TrainerFn.FITTING:
             return
         assert self.lightning_module is not None
+        _compat.forget_current_hook(self.lightning_module)  # Lightning calls setup outside every hook
         if not self.lightning_module.automatic_optimization:
             raise ValueError("abs_sgd needs automatic optimization: it decides when the optimizer steps")
         if trainer.accumulate_grad_batches != 1:
@@ -838,10 +843,12 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
     def _before_collective(self, what: str) -> None:
         """A collective issued in a hook that runs at every batch: the training step's closure
         (``training_step``, ``on_before_backward``, ``on_after_backward``) or a module's or callback's
-        ``on_train_batch_start``, ``on_train_batch_end``, ``on_before_optimizer_step``, ... (``_BATCH_HOOKS``;
+        ``on_train_batch_start``, ``on_train_batch_end``, batch transfer hooks (``_BATCH_HOOKS``;
         ``self.log(..., sync_dist=True)`` on step, ``all_gather``, a barrier). It pairs the same batch on every
         rank only while the ranks run their batches in lock-step: every round synchronous (``delay=0``), each
-        rank arriving after the same number of micro-batches. Recorded (``batch_collectives``:
+        rank arriving after the same number of micro-batches. One in a hook run at every optimizer step
+        (``on_before_optimizer_step``, ``configure_gradient_clipping``, ``lr_scheduler_step``: ``_STEP_HOOKS``)
+        pairs while every round is synchronous, and is refused under ``delay=1`` only. Recorded (``batch_collectives``:
         ``AdaptiveBatchSize(arrival="samples"|"time")`` then arrives by count; its first window runs in
         lock-step, so every rank records the same) and refused otherwise, before this rank enters the
         collective (the others fail through the engine when it stops), so the fit fails at once rather than in
@@ -853,7 +860,9 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
         # The hook's name only while this fit's engines run (train start to end): Lightning leaves the name of
         # a hook that raised on the module, which a later validate or fit would read here.
         hook = None if self._in_closure or not self._engines else _compat.current_hook(self.lightning_module)
-        if not self._in_closure and (hook not in _BATCH_HOOKS or not self._trainer.training):
+        if hook in _STEP_HOOKS and self._delay == 0:
+            return  # a round's step: every rank applies every round in order (see _STEP_HOOKS)
+        if not self._in_closure and (hook not in _BATCH_HOOKS | _STEP_HOOKS or not self._trainer.training):
             return  # epoch ends, checkpoints, validation: points every rank reaches at the same round
         self.batch_collectives = True
         if self._delay == 0 and not self._arrivals_out_of_step:
@@ -863,6 +872,7 @@ class ABSSGDStrategy(PartialStrategy[DelayedAllreduce]):
                if self.round_seconds is not None else
                "AdaptiveBatchSize(arrival='samples'), each rank arriving once the round holds about its samples")
         where = ("a training step (training_step, backward and their hooks)" if hook is None else
+                 f"{hook} (a hook run at every optimizer step)" if hook in _STEP_HOOKS else
                  f"{hook} (a hook run at every batch)")
         last = self._last_round()
         when = "before the first round" if last is None else f"round {last} applied"

@@ -129,6 +129,10 @@ class Regressor(L.LightningModule):
         if self.sync_dist_in == "on_train_batch_end":
             self.synchronise(outputs["loss"])
 
+    def on_before_optimizer_step(self, optimizer):
+        if self.sync_dist_in == "on_before_optimizer_step":
+            self.synchronise(torch.tensor(float(self.trainer.global_step)))
+
     def on_after_batch_transfer(self, batch, dataloader_idx):
         active = self.sync_dist or (self.sync_dist_from is not None and self._training_steps > self.sync_dist_from)
         if self.sync_dist_in == "on_after_batch_transfer" and active and self.trainer.training:
@@ -308,7 +312,7 @@ def main() -> None:
     parser.add_argument("--sync-dist-from", type=int, default=None,
                         help="as --sync-dist, from this rank's training step N + 1 on")
     parser.add_argument("--sync-dist-in", choices=("training_step", "on_train_batch_end", "callback",
-                                                   "on_after_batch_transfer"),
+                                                   "on_after_batch_transfer", "on_before_optimizer_step"),
                         default="training_step",
                         help="the hook that issues --sync-dist's collectives: the training step, the module's "
                              "on_train_batch_end or a callback's")
