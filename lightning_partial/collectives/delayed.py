@@ -690,7 +690,8 @@ class DelayedAllreduce(PartialAllreduce):
             first = max(self._discarded_through + 1, self._counted_from - 1)
             counts = range(first, round_index + 2) if self._counting and self.rank == 0 else None
         if counts and self._control is not None:
-            # The rounds' counts no _after_round discarded (a stop round's, the flush's): nothing counts any more.
+            # The rounds' counts no _after_round discarded (the flush's, one counted past the last): nothing counts
+            # any more. (No finish follows a round that carried a stop: its count stays with the fit's store.)
             self._control.delete_samples(counts)
         due = self._take_due(limit=round_index)
         return due + [last]
