@@ -36,7 +36,8 @@ that its batches take ``1/f`` as long):
   ``--no-overlap-arrival`` set the strategy's options (``--target-samples 256 --reference-samples none --step-samples none
   --no-weight-prediction --staleness-rule none``: the paper's rules at the
   benchmark's earlier round size), ``--abs-batch-size`` its own micro-batch,
-  ``--adaptive`` adds ``AdaptiveBatchSize``. An epoch ends when the ranks
+  ``--adaptive`` adds ``AdaptiveBatchSize`` (``--window``, ``--first-window``,
+  ``--slices``, ``--arrival``: its options). An epoch ends when the ranks
   together have drawn the dataset's samples;
 * ``no_comm``: every rank trains alone on its shard. The bound: the ranks'
   summed samples/s while all four train (:func:`concurrent_speed`; the sum of
@@ -48,7 +49,10 @@ training loss at the end, the held-out accuracy, and the time ABS-SGD takes to
 reach DDP's final loss (rank 0's loss averaged over 10 batches, against DDP's
 last 10) as a ratio of DDP's training time. ``--thread-cpu`` adds each rank's
 CPU seconds by thread (training loop, communication thread, gloo's and the
-store's threads) and prints abs_sgd's CPU per round. Writes
+store's threads) and prints abs_sgd's CPU per round. The share of the wall
+time abs_sgd's fastest ranks were blocked in the rounds, in all and in the
+rounds before ``AdaptiveBatchSize``'s sizes apply (``abs_fast_wait_share``,
+``abs_fast_wait_start_share``), is in every repeat's figures. Writes
 ``results/heterogeneity.json`` and a PNG beside it.
 
 Under momentum a gradient applied one round late shrinks SGD's stable step
@@ -274,7 +278,8 @@ def run_worker(args: argparse.Namespace) -> int:
         cpu_first: dict[int, tuple[str, float]] = {}
         cpu_last: dict[int, tuple[str, float]] = {}
         rounds: list[int]  # abs_sgd: the index of every round this rank saw complete
-        waits: list[float]  # abs_sgd: per result handed, the seconds this rank was blocked before it
+        waits: list[tuple[int, float]]  # abs_sgd: per result handed, its round and the seconds this rank was
+        # blocked before it
         round_times: dict[int, tuple[float, float, bool]]  # abs_sgd: see record_round_times
         round_samples: dict[int, int]  # abs_sgd: every round's samples over all ranks (record_round_times)
 
@@ -318,10 +323,11 @@ def run_worker(args: argparse.Namespace) -> int:
         strategy.round_listeners.append(lambda index, stats: clock.rounds.append(index))
         # Where a rank's wall time goes beside its work: the seconds its training thread was blocked in the
         # rounds (the allreduce, and the slowest rank in a synchronous round).
-        strategy.round_listeners.append(lambda index, stats: clock.waits.append(stats.wait_time))
+        strategy.round_listeners.append(lambda index, stats: clock.waits.append((stats.round_index, stats.wait_time)))
         record_round_times(clock.round_times, clock.round_samples)
         if args.adaptive:
-            callbacks.append(AdaptiveBatchSize(window=8, log=False, arrival=args.arrival, slices=args.slices))
+            callbacks.append(AdaptiveBatchSize(window=args.window, first_window=args.first_window, log=False,
+                                               arrival=args.arrival, slices=args.slices))
     elif args.run == "no_comm":
         from benchmarks.baselines import NoCommStrategy
 
@@ -346,7 +352,10 @@ def run_worker(args: argparse.Namespace) -> int:
         "trace": [(round(t - clock.t_start, 4), round(x, 5), n) for t, x, n in model.trace],  # time, loss, samples
         "global_step": trainer.global_step,
         "rounds": len(clock.rounds) if args.run == "abs_sgd" else None,
-        "round_wait_s": sum(clock.waits) if args.run == "abs_sgd" else None,
+        "round_wait_s": sum(w for _, w in clock.waits) if args.run == "abs_sgd" else None,
+        # The part of it in the rounds before AdaptiveBatchSize's sizes apply: see start_rounds.
+        "round_wait_start_s": (sum(w for q, w in clock.waits if q <= start_rounds(callbacks))
+                               if args.run == "abs_sgd" else None),
         "round_times": {str(q): t for q, t in clock.round_times.items()} if args.run == "abs_sgd" else None,
         "round_samples": [n for _, n in sorted(clock.round_samples.items())] if args.run == "abs_sgd" else None,
         # abs_sgd: this rank's trained samples per lag, in optimizer steps, at which they were applied.
@@ -451,6 +460,8 @@ def worker_command(args: argparse.Namespace, name: str) -> list[str]:
             "--reference-samples", str(args.reference_samples).lower(), "--step-samples", str(args.step_samples).lower(),
             "--step-boundary", args.step_boundary,
             "--adaptive" if args.adaptive else "--no-adaptive", "--arrival", args.arrival, "--slices", str(args.slices),
+            "--window", str(args.window),
+            *(["--first-window", str(args.first_window)] if args.first_window is not None else []),
             "--lr", str(args.lr),
             "--momentum", str(args.momentum), "--optimizer", args.optimizer, "--staleness-rule", args.staleness_rule,
             "--lr-schedule", args.lr_schedule,
@@ -496,6 +507,7 @@ def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "global_step": ranks[0]["global_step"],
         "rounds": ranks[0].get("rounds"),
         "round_wait_s": [r.get("round_wait_s") for r in ranks],
+        "round_wait_start_s": [r.get("round_wait_start_s") for r in ranks],
         "round_timing": round_timing([r.get("round_times") for r in ranks]),
         "round_samples": spread_of(ranks[0].get("round_samples")),
         "step_lags": [r.get("step_lags") for r in ranks],
@@ -505,6 +517,33 @@ def run_fit(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "steal_fraction": max(steals) if steals else None,  # the worst rank's training interval
         "curve": curve,
     }
+
+
+def fast_wait_shares(run: dict[str, Any], speeds: list[float]) -> dict[str, float | None]:
+    """abs_sgd: the share of the fit's wall time the fastest ranks' training threads were blocked in the rounds
+    (mean over those ranks), in all (``abs_fast_wait_share``) and in the rounds before AdaptiveBatchSize's sizes
+    apply (``abs_fast_wait_start_share``, :func:`start_rounds`; ``None`` without the callback)."""
+    fastest = [i for i, v in enumerate(speeds) if v == max(speeds)]
+
+    def share(key: str) -> float | None:
+        waits = run.get(key) or []
+        if len(waits) != len(speeds) or any(waits[i] is None for i in fastest):
+            return None
+        return statistics.mean(waits[i] for i in fastest) / run["wall_s"]
+
+    return {"abs_fast_wait_share": share("round_wait_s"), "abs_fast_wait_start_share": share("round_wait_start_s")}
+
+
+def start_rounds(callbacks: list[Any]) -> int:
+    """The last round run at the loaders' sizes: ``AdaptiveBatchSize``'s first split comes with round ``w - 1``'s
+    result (``w``: its window), and the round after it still holds batches fetched before (one micro-batch per
+    rank, in lock-step, a fast rank waiting for the slowest); ``-1`` without the callback or a split."""
+    from lightning_partial.callbacks import AdaptiveBatchSize
+
+    for callback in callbacks:
+        if isinstance(callback, AdaptiveBatchSize) and callback.history:
+            return callback.history[0][0] + 1
+    return -1
 
 
 def record_round_times(out: dict[int, tuple[float, float, bool]], samples: dict[int, int]) -> None:
@@ -632,6 +671,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             # Synchronous rounds (delay=0): median ms per round (see round_timing).
             **{f"abs_round_{key}": (abs_["round_timing"] or {}).get(key)
                for key in ("period_ms", "arrival_spread_ms", "latency_ms", "went_on")},
+            **fast_wait_shares(abs_, args.speed),
         })
 
     def median(values: list[Any]) -> Any:
@@ -662,7 +702,8 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             "speed": args.speed, "target_samples": args.target_samples if args.interval is None else None,
             "interval": args.interval, "reference_samples": args.reference_samples,
             "step_samples": args.step_samples, "step_boundary": args.step_boundary,
-            "adaptive": args.adaptive, "arrival": args.arrival, "slices": args.slices, "final_sync": args.final_sync, "delay": args.delay,
+            "adaptive": args.adaptive, "arrival": args.arrival, "slices": args.slices, "window": args.window,
+            "first_window": args.first_window, "final_sync": args.final_sync, "delay": args.delay,
             "overlap_arrival": args.overlap_arrival,
             "abs_epochs": args.abs_epochs, "steps": args.steps, "batch_size": args.batch_size,
             "abs_batch_size": args.abs_batch_size, "repeats": args.repeats, "threads": args.threads,
@@ -744,6 +785,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--slices", type=positive_int, default=4,
                         help="--adaptive --arrival samples|time: about how many micro-batches a rank's share is "
                              "cut into (default 4, the callback's)")
+    parser.add_argument("--window", type=positive_int, default=8,
+                        help="--adaptive: AdaptiveBatchSize's window, the rounds between its updates (default 8, "
+                             "the callback's)")
+    parser.add_argument("--first-window", type=positive_int, default=None,
+                        help="--adaptive: AdaptiveBatchSize's first_window, the rounds run at the loaders' sizes "
+                             "before its first split (default: the callback's, min(2, --window); 8 before)")
     parser.add_argument("--abs-epochs", type=int, default=1,
                         help="epochs abs_sgd trains (ddp and no_comm: one; default 1, the same samples; more to see "
                              "when it reaches DDP's final loss)")
@@ -830,6 +877,11 @@ def main() -> int:
               + (f"{latency:.1f} ms from the last arrival to the first waiting rank's result"
                  if latency is not None else "no rank waited for a result")
               + f"; {timing.get('went_on', 0.0):.0%} of the arrivals went on without waiting")
+    waited, at_start = (report["summary"].get(k) for k in ("abs_fast_wait_share", "abs_fast_wait_start_share"))
+    if waited is not None:
+        print(f"abs_sgd's fastest ranks were blocked in the rounds {waited:.1%} of the wall time (median over repeats)"
+              + (f", {at_start:.1%} in the rounds before AdaptiveBatchSize's sizes applied" if at_start is not None
+                 else ""))
     checks = [c for name in CONFIGS for run in report["results"][name]["runs"] for c in run["clock_check"] if c]
     if checks:
         shares = sorted(c["main_cpu_share"] for c in checks)

@@ -578,6 +578,38 @@ def test_adaptive_sizes_from_work_time_in_synchronous_rounds():
     assert callback._strategy.round_seconds is None  # by count throughout
 
 
+def test_the_first_sizes_come_after_first_window_rounds_and_later_ones_every_window():
+    """``AdaptiveBatchSize(window=8)``: the first update after ``first_window`` rounds (``min(2, window)`` by
+    default), measured over them; each later one after ``window`` more rounds, measured over those only (an
+    update empties the window). By count, so every update re-sizes; a step of 64 over loaders of 16."""
+    assert (AdaptiveBatchSize().window, AdaptiveBatchSize().first_window) == (8, 2)
+    assert AdaptiveBatchSize(window=1).first_window == 1
+    strategy = SimpleNamespace(sampler=SimpleNamespace(batch_size=16), loader_batch_sizes=(16,) * 4,
+                               sync_round_samples=64, micro_batches_per_round=1, round_seconds=None, round_fill=None)
+    callback = AdaptiveBatchSize(window=8, log=False, arrival="count")
+    callback._strategy = strategy
+    callback._on_round(0, round_stats(0, (16,) * 4, (0.1, 0.1, 0.2, 0.4)))
+    assert callback.sizes is None and not callback.history  # one round measured of two
+    callback._on_round(0, round_stats(1, (16,) * 4, (0.1, 0.1, 0.2, 0.4)))
+    # Speeds 160, 160, 80, 40: shares 64 * v / 440 = 23.3, 23.3, 11.6, 5.8, two micro-batches each.
+    assert callback.sizes == (12, 12, 6, 3) and [h[0] for h in callback.history] == [1]
+    for r in range(2, 9):  # equal speeds from here: seven rounds, not yet a window
+        callback._on_round(0, round_stats(r, (16,) * 4, (0.1,) * 4))
+    assert callback.sizes == (12, 12, 6, 3)
+    callback._on_round(0, round_stats(9, (16,) * 4, (0.1,) * 4))  # the eighth: measured over rounds 2-9 only
+    assert callback.sizes == (16, 16, 16, 16) and [h[0] for h in callback.history] == [1, 9]
+    for r in range(10, 17):
+        callback._on_round(0, round_stats(r, (16,) * 4, (0.1, 0.1, 0.2, 0.4)))
+    assert [h[0] for h in callback.history] == [1, 9]
+    callback._on_round(0, round_stats(17, (16,) * 4, (0.1, 0.1, 0.2, 0.4)))
+    assert callback.sizes == (12, 12, 6, 3) and [h[0] for h in callback.history] == [1, 9, 17]
+    callback.on_train_start(None, None)  # type: ignore[arg-type]
+    callback._on_round(0, round_stats(18, (16,) * 4, (0.1,) * 4))  # a new fit measures afresh, first_window again
+    assert callback.sizes is None
+    callback._on_round(0, round_stats(19, (16,) * 4, (0.1,) * 4))
+    assert callback.sizes == (16, 16, 16, 16)
+
+
 def test_arrival_by_time_sizes_a_share_once_and_times_every_round():
     """``arrival="time"`` (``"samples"`` is the default), a step of 64 over loaders of 16: the first window of synchronous rounds
     (speeds 160, 160, 40, 20 samples per busy second) sizes each share ``q_i = 64 * v_i / 380`` as about
@@ -902,7 +934,7 @@ def test_a_callbacks_batch_end_collectives_make_adaptive_batch_size_arrive_by_co
 def test_a_per_batch_collective_that_cannot_pair_fails_at_once_on_every_rank(tmp_path, late, hook):
     """The module logs with ``sync_dist=True`` (and gathers, and waits in a barrier) at every batch where the
     ranks run different numbers of batches: under ``delay=1`` from the first step; under AdaptiveBatchSize's
-    arrival by time or by samples from step 13, after its first window (4 rounds in lock-step, no collective
+    arrival by time or by samples from step 13, after its first window (2 rounds in lock-step, no collective
     seen) set the rule; in the training step, in the module's ``on_train_batch_end`` or in a callback's, or in
     ``on_after_batch_transfer`` (a training batch's); in ``on_before_optimizer_step`` under ``delay=1``. Every
     rank refuses the collective before entering it, naming the hook, the setting and the fix, so the fit fails

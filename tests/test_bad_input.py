@@ -175,6 +175,10 @@ CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("AdaptiveBatchSize unknown arrival", lambda: AdaptiveBatchSize(arrival="tide"),
      r"unknown arrival 'tide': expected one of count, samples, time"),
     ("AdaptiveBatchSize slices 0", lambda: AdaptiveBatchSize(slices=0), r"slices must be an integer >= 1"),
+    ("AdaptiveBatchSize first_window 0", lambda: AdaptiveBatchSize(first_window=0),
+     r"first_window must be an integer >= 1"),
+    ("AdaptiveBatchSize first_window above window", lambda: AdaptiveBatchSize(window=4, first_window=5),
+     r"first_window must be at most window \(4\), got 5"),
     ("GroupRotation consensus_every 0", lambda: GroupRotation(consensus_every=0), r"consensus_every"),
     ("GroupRotation switch_at round 0", lambda: GroupRotation(switch_at={0: ButterflySchedule(world_size=4, group_size=2)}),
      r"switch_at"),
@@ -191,6 +195,8 @@ CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("LoadImbalance delay as a string", lambda: LoadImbalance(delay_ms="5"), r"delay_ms"),
     ("LoadImbalance speed not a sequence", lambda: LoadImbalance(speed=0.5), r"speed.*sequence"),
     ("AdaptiveBatchSize window as a float", lambda: AdaptiveBatchSize(window=2.5), r"window.*integer"),
+    ("AdaptiveBatchSize first_window as a float", lambda: AdaptiveBatchSize(first_window=1.5),
+     r"first_window.*integer"),
     ("GroupRotation schedule by name", lambda: GroupRotation(schedule="butterfly"), r"schedule.*Schedule"),
 ]
 

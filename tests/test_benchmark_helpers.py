@@ -41,7 +41,8 @@ def test_the_bound_window_starts_at_the_last_rank_to_step_and_must_exist():
     [],
     ["--model", "mlp", "--seed", "3", "--interval", "0.03", "--abs-lr", "0.25", "--abs-batch-size", "64",
      "--reference-samples", "512", "--adaptive", "--thread-cpu", "--momentum", "0.9", "--optimizer", "adamw",
-     "--speed", "1,0.5", "--device-ms-per-sample", "0.5"],
+     "--speed", "1,0.5", "--device-ms-per-sample", "0.5", "--window", "3",
+     "--first-window", "3"],
     ["--target-samples", "256", "--reference-samples", "none", "--step-samples", "1024", "--momentum", "0",
      "--no-weight-prediction", "--staleness-rule", "none", "--lr-schedule", "cosine"],
 ])
@@ -55,6 +56,22 @@ def test_the_workers_get_every_option_the_parent_has(argv):
     for key, value in vars(parent).items():
         if key not in ("run", "repeats", "out", "max_steal", "steal_retries"):
             assert getattr(worker, key) == value, key
+
+
+def test_the_fastest_ranks_wait_share_splits_off_the_rounds_before_the_first_split():
+    from lightning_partial.callbacks import AdaptiveBatchSize
+
+    run = {"wall_s": 10.0, "round_wait_s": [2.0, 1.0, 0.5, 0.0], "round_wait_start_s": [1.0, 0.6, 0.2, 0.0]}
+    shares = heterogeneity.fast_wait_shares(run, [1.0, 1.0, 0.5, 0.25])  # the two ranks at speed 1
+    assert shares == {"abs_fast_wait_share": pytest.approx(0.15), "abs_fast_wait_start_share": pytest.approx(0.08)}
+    ddp = {"wall_s": 10.0, "round_wait_s": [None] * 4, "round_wait_start_s": [None] * 4}
+    assert heterogeneity.fast_wait_shares(ddp, [1.0, 1.0, 0.5, 0.25]) == {
+        "abs_fast_wait_share": None, "abs_fast_wait_start_share": None}
+    callback = AdaptiveBatchSize(window=8)
+    assert heterogeneity.start_rounds([callback]) == -1  # no split yet
+    callback.history.append((7, (44, 38, 29, 17), (4, 4, 4, 4), True))  # the first split, at round 7's result
+    assert heterogeneity.start_rounds([object(), callback]) == 8  # round 8's batches were fetched before it
+    assert heterogeneity.start_rounds([]) == -1
 
 
 def test_the_emulated_device_sleeps_its_time_per_sample_over_the_ranks_speed_and_refuses_bad_input():
