@@ -354,8 +354,8 @@ def run_worker(args: argparse.Namespace) -> int:
         "rounds": len(clock.rounds) if args.run == "abs_sgd" else None,
         "round_wait_s": sum(w for _, w in clock.waits) if args.run == "abs_sgd" else None,
         # The part of it in the rounds before AdaptiveBatchSize's sizes apply: see start_rounds.
-        "round_wait_start_s": (sum(w for q, w in clock.waits if q <= start_rounds(callbacks))
-                               if args.run == "abs_sgd" else None),
+        "round_wait_start_s": (None if args.run != "abs_sgd" or (start := start_rounds(callbacks)) is None
+                               else sum(w for q, w in clock.waits if q <= start)),
         "round_times": {str(q): t for q, t in clock.round_times.items()} if args.run == "abs_sgd" else None,
         "round_samples": [n for _, n in sorted(clock.round_samples.items())] if args.run == "abs_sgd" else None,
         # abs_sgd: this rank's trained samples per lag, in optimizer steps, at which they were applied.
@@ -534,16 +534,17 @@ def fast_wait_shares(run: dict[str, Any], speeds: list[float]) -> dict[str, floa
     return {"abs_fast_wait_share": share("round_wait_s"), "abs_fast_wait_start_share": share("round_wait_start_s")}
 
 
-def start_rounds(callbacks: list[Any]) -> int:
-    """The last round run at the loaders' sizes: ``AdaptiveBatchSize``'s first split comes with round ``w - 1``'s
-    result (``w``: its window), and the round after it still holds batches fetched before (one micro-batch per
-    rank, in lock-step, a fast rank waiting for the slowest); ``-1`` without the callback or a split."""
+def start_rounds(callbacks: list[Any]) -> int | None:
+    """The last round run at the loaders' sizes: ``AdaptiveBatchSize``'s first split comes with the result of the
+    round that ends its first window (``first_window`` synchronous rounds), and the round after it still holds
+    batches fetched before (one micro-batch per rank, in lock-step, a fast rank waiting for the slowest);
+    ``None`` without the callback or a split."""
     from lightning_partial.callbacks import AdaptiveBatchSize
 
     for callback in callbacks:
-        if isinstance(callback, AdaptiveBatchSize) and callback.history:
-            return callback.history[0][0] + 1
-    return -1
+        if isinstance(callback, AdaptiveBatchSize):
+            return next((index + 1 for index, _, _, split in callback.history if split), None)
+    return None
 
 
 def record_round_times(out: dict[int, tuple[float, float, bool]], samples: dict[int, int]) -> None:

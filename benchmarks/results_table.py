@@ -63,7 +63,7 @@ ABS_SGD_BEFORE: dict[str, Any] = {"final_sync": 0.0, "step_boundary": "at_least"
 #: The imbalance run in README.md's table: the table's rows only, at the current defaults.
 IMBALANCE_FILE = "imbalance_defaults.json"
 #: The heterogeneity run in README.md's table.
-HETEROGENEITY_FILE = "heterogeneity_overlap_arrival_defaults_5repeats.json"
+HETEROGENEITY_FILE = "heterogeneity_first_window_defaults_5repeats.json"
 
 
 def load(name: str) -> Json:
@@ -243,6 +243,15 @@ def abs_sgd_label(heterogeneity: Json) -> str:
     # option (absent) waited at every arrival.
     if adaptive and arrival in ("samples", "time") and not heterogeneity.get("overlap_arrival", False):
         changed.append("overlap_arrival=False")
+    # AdaptiveBatchSize's windows: window=8 and the first sizes after first_window=min(2, window) rounds by default;
+    # a run from before the benchmark's --window (absent) had 8, and one from before --first-window (absent) made
+    # its first sizes after a whole window.
+    window = heterogeneity.get("window", 8)
+    if adaptive and window != 8:
+        changed.append(f"window={window}")
+    first = (heterogeneity.get("first_window") or min(2, window)) if "first_window" in heterogeneity else window
+    if adaptive and first != min(2, window):
+        changed.append(f"first_window={first}")
     name = "`abs_sgd` + `AdaptiveBatchSize`" if adaptive else "`abs_sgd`"
     return name + " " + (f"(`{', '.join(changed)}`)" if changed else "(defaults)")
 

@@ -579,9 +579,11 @@ def test_adaptive_sizes_from_work_time_in_synchronous_rounds():
 
 
 def test_the_first_sizes_come_after_first_window_rounds_and_later_ones_every_window():
-    """``AdaptiveBatchSize(window=8)``: the first update after ``first_window`` rounds (``min(2, window)`` by
-    default), measured over them; each later one after ``window`` more rounds, measured over those only (an
-    update empties the window). By count, so every update re-sizes; a step of 64 over loaders of 16."""
+    """``AdaptiveBatchSize(window=8)``: the first update after ``first_window`` synchronous rounds (``min(2,
+    window)`` by default), measured over them; each later one after ``window`` more rounds, measured over those
+    only (an update empties the window); a first window without busy seconds (a fit's first round) measures on;
+    asynchronous rounds wait for a whole window. By count, so every update re-sizes; a step of 64 over loaders
+    of 16."""
     assert (AdaptiveBatchSize().window, AdaptiveBatchSize().first_window) == (8, 2)
     assert AdaptiveBatchSize(window=1).first_window == 1
     strategy = SimpleNamespace(sampler=SimpleNamespace(batch_size=16), loader_batch_sizes=(16,) * 4,
@@ -608,6 +610,21 @@ def test_the_first_sizes_come_after_first_window_rounds_and_later_ones_every_win
     assert callback.sizes is None
     callback._on_round(0, round_stats(19, (16,) * 4, (0.1,) * 4))
     assert callback.sizes == (16, 16, 16, 16)
+    # A fit's first micro-batch reports no busy seconds: first_window=1 measures on until a round has them.
+    callback = AdaptiveBatchSize(window=8, first_window=1, log=False, arrival="count")
+    callback._strategy = strategy
+    callback._on_round(0, round_stats(0, (16,) * 4, (0.0,) * 4))
+    assert callback.sizes is None
+    callback._on_round(0, round_stats(1, (16,) * 4, (0.1, 0.1, 0.2, 0.4)))
+    assert callback.sizes == (12, 12, 6, 3) and [h[0] for h in callback.history] == [1]
+    # Asynchronous rounds (a slow rank's micro-batch spans several) wait for a whole window before the first sizes.
+    callback = AdaptiveBatchSize(window=8, log=False, arrival="count")
+    callback._strategy = strategy
+    for r in range(7):
+        callback._on_round(0, round_stats(r, (16, 16, 8, 4), (0.1,) * 4, synchronous=False))
+    assert callback.sizes is None
+    callback._on_round(0, round_stats(7, (16, 16, 8, 4), (0.1,) * 4, synchronous=False))
+    assert callback.sizes == (16, 16, 8, 4) and [h[0] for h in callback.history] == [7]
 
 
 def test_arrival_by_time_sizes_a_share_once_and_times_every_round():

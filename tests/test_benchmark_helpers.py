@@ -68,10 +68,11 @@ def test_the_fastest_ranks_wait_share_splits_off_the_rounds_before_the_first_spl
     assert heterogeneity.fast_wait_shares(ddp, [1.0, 1.0, 0.5, 0.25]) == {
         "abs_fast_wait_share": None, "abs_fast_wait_start_share": None}
     callback = AdaptiveBatchSize(window=8)
-    assert heterogeneity.start_rounds([callback]) == -1  # no split yet
-    callback.history.append((7, (44, 38, 29, 17), (4, 4, 4, 4), True))  # the first split, at round 7's result
-    assert heterogeneity.start_rounds([object(), callback]) == 8  # round 8's batches were fetched before it
-    assert heterogeneity.start_rounds([]) == -1
+    assert heterogeneity.start_rounds([callback]) is None  # no split yet
+    callback.history.append((7, (128,) * 4, (1,) * 4, False))  # an update that is no split (asynchronous rounds)
+    callback.history.append((9, (44, 38, 29, 17), (4, 4, 4, 4), True))  # the first split, at round 9's result
+    assert heterogeneity.start_rounds([object(), callback]) == 10  # round 10's batches were fetched before it
+    assert heterogeneity.start_rounds([]) is None
 
 
 def test_the_emulated_device_sleeps_its_time_per_sample_over_the_ranks_speed_and_refuses_bad_input():
@@ -343,14 +344,23 @@ def test_the_readme_labels_an_abs_sgd_run_by_what_differs_from_todays_defaults()
     # delay="auto": 0 with AdaptiveBatchSize or AdamW, 1 otherwise; a run records the value it resolved or was given.
     # AdaptiveBatchSize arrives by samples by default; a run from before its arrival option (absent) arrived by count.
     # overlap_arrival=True by default, for arrivals by samples or time; a run from before it (absent) waited.
-    filled = {**today, "adaptive": True, "arrival": "samples", "overlap_arrival": True}
+    # AdaptiveBatchSize's first sizes after first_window=2 rounds by default; a run from before the benchmark's
+    # --first-window (absent) made them after a whole window (8).
+    filled = {**today, "adaptive": True, "arrival": "samples", "overlap_arrival": True, "window": 8,
+              "first_window": None}
     assert abs_sgd_label({**filled, "delay": 0}) == "`abs_sgd` + `AdaptiveBatchSize` (defaults)"
+    assert (AdaptiveBatchSize().window, AdaptiveBatchSize().first_window) == (8, 2)  # what the label calls them
+    assert abs_sgd_label({**filled, "delay": 0, "first_window": 2}) == "`abs_sgd` + `AdaptiveBatchSize` (defaults)"
+    before = {key: value for key, value in filled.items() if key not in ("window", "first_window")}
+    assert abs_sgd_label({**before, "delay": 0}) == "`abs_sgd` + `AdaptiveBatchSize` (`first_window=8`)"
+    assert abs_sgd_label({**filled, "delay": 0, "window": 2, "first_window": None}) == (
+        "`abs_sgd` + `AdaptiveBatchSize` (`window=2`)")
     assert abs_sgd_label({**filled, "delay": 0, "overlap_arrival": False}) == (
         "`abs_sgd` + `AdaptiveBatchSize` (`overlap_arrival=False`)")
     assert ABSSGDStrategy().overlap_arrival is True  # what the label calls the default
     assert abs_sgd_label({**filled, "delay": 1}) == "`abs_sgd` + `AdaptiveBatchSize` (`delay=1`)"
     assert abs_sgd_label({**today, "adaptive": True, "delay": 0}) == (
-        "`abs_sgd` + `AdaptiveBatchSize` (`arrival='count'`)")
+        "`abs_sgd` + `AdaptiveBatchSize` (`arrival='count', first_window=8`)")
     assert abs_sgd_label({**filled, "arrival": "time", "delay": 0}) == (
         "`abs_sgd` + `AdaptiveBatchSize` (`arrival='time'`)")
     assert AdaptiveBatchSize().arrival == "samples"  # what the label calls the default

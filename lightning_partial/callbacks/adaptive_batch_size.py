@@ -11,7 +11,7 @@ workers finishing their batches together):
 
 where ``B_i`` is rank ``i``'s loader batch size (the fastest rank keeps it;
 the strategy agrees on every rank's when its engines start) and ``s_i``
-rank ``i``'s samples per round over the last ``window`` rounds (its share of
+rank ``i``'s samples per round over the rounds since the last update (its share of
 the work; every rank is always busy, so that is its throughput). In
 synchronous rounds (``abs_sgd(delay=0)``, and its synchronous finish) every
 rank contributes one micro-batch per round whatever its speed, so the shares
@@ -116,12 +116,12 @@ from the loaders' sizes. **Decision** (a short first window): the rounds
 before the first sizes run at the loaders' sizes, one micro-batch per rank
 in lock-step, each as slow as the slowest rank. With a first window of 8
 rounds the fastest ranks of the heterogeneity benchmark (speeds 1, 1, 0.5,
-0.25, 120 steps) spent 13 % of the fit's time waiting in those rounds alone
-with most compute emulated as an accelerator's, and with 2 rounds 4 %:
-2.52x DDP's samples/s instead of 2.32x at the same accuracy; on two cores'
-real compute the wait fell from 19 % to 13 % without a measurable gain in
-samples/s (the ranks share two cores, so a waiting rank's CPU goes to the
-others). Two rounds' speeds sized the shares within the spread of eight's
+0.25, 120 steps, AdamW) waited in the rounds 15 % of the fit's time, 13 %
+in those first rounds, with most compute emulated as an accelerator's; with
+2 rounds 8 % (4 % in the first rounds): 2.52x DDP's samples/s instead of
+2.32x, at the same accuracy. On two cores' real compute the wait fell from
+19 % to 13 % without a measurable gain in samples/s (the ranks share two
+cores, so a waiting rank's CPU goes to the others)
 (docs/staleness.md#the-first-window).
 """
 
@@ -150,11 +150,15 @@ class AdaptiveBatchSize(Callback):
 
     Args:
         window: rounds per measurement and between updates, after the first (>= 1).
-        first_window: rounds measured before the first update (``1 <= first_window <= window``; ``None``:
-            ``min(2, window)``). The rounds before it run at the loaders' sizes, one micro-batch per rank in
-            lock-step, the fast ranks waiting for the slowest: the first sizes come as soon as each rank's speed
-            has been read over a couple of rounds (under ``"samples"`` and ``"time"`` they only set how finely
-            a share is cut; a round's samples are counted or timed, not taken from them).
+        first_window: synchronous rounds measured before the first update (``1 <= first_window <= window``;
+            ``None``: ``min(2, window)``). The rounds before it run at the loaders' sizes, one micro-batch per
+            rank in lock-step, the fast ranks waiting for the slowest, so the first sizes come as soon as every
+            rank's speed has been read: a fit's first micro-batch reports no busy seconds (there is no earlier
+            return to count from, which also keeps its one-off costs out), so two rounds are the fewest that
+            measure one. Under ``"samples"`` and ``"time"`` the sizes only set how finely a share is cut (a
+            round's samples are counted or timed, not taken from them). A per-batch collective must appear in
+            these rounds to make the fit arrive by count; one first issued later is refused. Asynchronous rounds
+            and results restored from a checkpoint wait for a whole ``window``.
         min_batch_size: the smallest micro-batch (>= 1), unless a rank's loader batch is smaller: no
             micro-batch exceeds its rank's loader batch.
         log: log the sizes to the Lightning loggers.
@@ -254,15 +258,19 @@ class AdaptiveBatchSize(Callback):
         if len(stats.counts) != len(self.bases):
             return  # a result restored from a checkpoint of another world size: its counts are the old ranks'
         self._counts.append((stats.counts, stats.busy, stats.synchronous))
-        # The first update as soon as first_window rounds are measured, then one every window rounds (each
-        # update empties the window: the same rounds on every rank, which apply every round in order).
-        if len(self._counts) < (self.first_window if self.sizes is None else self.window):
+        # The first update as soon as first_window synchronous rounds with every rank's busy seconds are measured
+        # (asynchronous rounds, where a slow rank's micro-batch spans several, and results restored from a
+        # checkpoint, which carry no busy seconds, wait for a whole window), then one every window rounds (each
+        # update empties the window). The same rounds on every rank, which apply every round in order.
+        world_size = len(stats.counts)
+        first = self.sizes is None and all(c[2] and len(c[1]) == world_size for c in self._counts)
+        if len(self._counts) < (self.first_window if first else self.window):
             return
         samples = [sum(c[0][i] for c in self._counts) for i in range(len(stats.counts))]
         shares, synchronous = self._shares(samples)
         top = max(shares)
-        if top <= 0:
-            return
+        if top <= 0 or (first and not synchronous):
+            return  # (a first window without busy seconds on some rank: a fit's first round alone; measure on)
         round_samples = getattr(self._strategy, "sync_round_samples", None)
         split = synchronous and round_samples is not None
         seconds: Optional[float] = None
