@@ -262,8 +262,7 @@ class AdaptiveBatchSize(Callback):
         # (asynchronous rounds, where a slow rank's micro-batch spans several, and results restored from a
         # checkpoint, which carry no busy seconds, wait for a whole window), then one every window rounds (each
         # update empties the window). The same rounds on every rank, which apply every round in order.
-        world_size = len(stats.counts)
-        first = self.sizes is None and all(c[2] and len(c[1]) == world_size for c in self._counts)
+        first = self.sizes is None and self._window_synchronous(len(stats.counts))
         if len(self._counts) < (self.first_window if first else self.window):
             return
         samples = [sum(c[0][i] for c in self._counts) for i in range(len(stats.counts))]
@@ -348,11 +347,16 @@ class AdaptiveBatchSize(Callback):
             return "count"
         return self.arrival
 
+    def _window_synchronous(self, world_size: int) -> bool:
+        """Whether every round of the window was synchronous and carries every rank's busy seconds (a result
+        restored from a checkpoint carries none): what measures speeds per busy second (:meth:`_shares`)."""
+        return all(c[2] and len(c[1]) == world_size for c in self._counts)
+
     def _shares(self, samples: list[int]) -> tuple[list[float], bool]:
         """Each rank's speed over the window, from its ``samples`` there: samples per round, or samples per
         busy second when every round of the window was synchronous (then also ``True``)."""
         world_size = len(samples)
-        if all(c[2] and len(c[1]) == world_size for c in self._counts):
+        if self._window_synchronous(world_size):
             busy = [sum(c[1][i] for c in self._counts) for i in range(world_size)]
             if all(b > 0 for b in busy):
                 return [n / b for n, b in zip(samples, busy)], True
